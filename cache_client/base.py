@@ -1,0 +1,78 @@
+"""The index interface: which locations (workers, or the shared pool) hold which prefixes.
+
+A *location* is a worker name, or `POOL` for the shared LMCache CPU pool that every
+worker can load from. Each location has a capacity model: an LRU over the prefix keys
+recorded on it, bounded in tokens, so that prefixes a worker has surely evicted stop
+attracting traffic. Implementations: `memory.MemoryIndex` (in-process, the default) and
+`redis_index.RedisIndex` (shared by router replicas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from normalizer.prefix import PrefixKey
+
+POOL = "__pool__"
+"""Location name of the shared CPU pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexView:
+    """What the index knows about one request's key chain.
+
+    `depths[location]` is how many leading keys of the chain the location holds; locations
+    holding none are absent.
+    """
+
+    depths: Mapping[str, int] = field(default_factory=dict)
+
+    def depth(self, location: str) -> int:
+        return self.depths.get(location, 0)
+
+
+EMPTY_VIEW = IndexView()
+
+
+@runtime_checkable
+class PrefixIndex(Protocol):
+    async def lookup(self, keys: Sequence[PrefixKey]) -> IndexView:
+        """Longest run of leading keys held, per location. One round trip at most."""
+        ...
+
+    async def record(self, location: str, keys: Sequence[PrefixKey], key_tokens: Sequence[int]) -> None:
+        """`keys` (a chain, in order) are now held by `location`, most recently used.
+
+        `key_tokens[i]` is the number of tokens key i adds on top of key i-1: the capacity
+        model charges each key that many tokens.
+        """
+        ...
+
+    async def evict(self, location: str, keys: Sequence[PrefixKey]) -> None:
+        """`location` no longer holds `keys` (e.g. a vLLM BlockRemoved event)."""
+        ...
+
+    async def drop_location(self, location: str) -> None:
+        """Forget everything held by `location` (worker failed, left, or cleared its cache)."""
+        ...
+
+    def set_capacity(self, location: str, tokens: int) -> None:
+        """Bound the capacity model of `location` to `tokens`."""
+        ...
+
+    async def usage(self) -> Mapping[str, int]:
+        """Tokens the capacity model believes each location holds."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def key_tokens_of(cum_tokens: Sequence[int]) -> list[int]:
+    """Per-key token increments from cumulative counts."""
+    out, prev = [], 0
+    for c in cum_tokens:
+        out.append(c - prev)
+        prev = c
+    return out

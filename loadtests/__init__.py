@@ -1,0 +1,1 @@
+"""Simulated vLLM + LMCache cluster, workload generators and benchmarks."""

@@ -1,0 +1,213 @@
+"""The HTTP application: the proxied OpenAI endpoints plus health, models and metrics.
+
+The proxied POST endpoints bypass FastAPI's routing and middleware (a few tens of
+microseconds a request) and go straight to `Proxy`; they are also registered as ordinary
+routes, so the rest of the app (405 for other methods, the route table) sees them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.routing import Route
+
+from cache_client.base import PrefixIndex
+from cache_client.memory import MemoryIndex
+from normalizer.canonical import NormalizeOptions
+from router import __version__
+from router.chain import ChainBuilder, EstimateChainBuilder
+from router.config import RouterConfig
+from router.cost import CostModel
+from router.errors import error_body
+from router.load import LoadBoard, LocalLoadBoard
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.proxy import PROXIED_PATHS, Proxy, ProxySettings
+from router.workers import Fleet
+
+log = logging.getLogger("kvroute")
+
+
+def _json(status: int, content: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, code), status_code=status, media_type="application/json", headers=headers)
+
+
+def cost_model(config: RouterConfig) -> CostModel:
+    return CostModel(
+        prefill_base_s=config.cost_prefill_base_us * 1e-6,
+        prefill_ctx_s=config.cost_prefill_ctx_ns * 1e-9,
+        pool_load_s_per_token=config.cost_pool_load_us * 1e-6,
+        inflight_penalty_s=config.cost_inflight_penalty_ms * 1e-3,
+    )
+
+
+def proxy_settings(config: RouterConfig) -> ProxySettings:
+    return ProxySettings(
+        max_body_bytes=config.max_body_bytes,
+        max_attempts=config.max_attempts,
+        first_byte_timeout_s=config.first_byte_timeout_s,
+        idle_timeout_s=config.idle_timeout_s,
+        total_timeout_s=config.total_timeout_s,
+        forward_client_auth=config.forward_client_auth,
+        normalize=NormalizeOptions(
+            tool_schemas=config.normalize_tool_schemas,
+            tool_call_arguments=config.normalize_tool_arguments,
+            system_prompt=config.normalize_system_prompt,
+        ),
+        pool_enabled=config.pool_capacity_tokens > 0,
+    )
+
+
+class KvrouteApp:
+    """ASGI app. Components that need the event loop are built in the lifespan."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        index: PrefixIndex | None = None,
+        loads: LoadBoard | None = None,
+        chains: ChainBuilder | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.index: PrefixIndex = index if index is not None else MemoryIndex(config.kv_capacity_tokens)
+        self.loads: LoadBoard = loads if loads is not None else LocalLoadBoard(config.recent_half_life_s)
+        self.chains: ChainBuilder = chains if chains is not None else EstimateChainBuilder()
+        self.policy = make_policy(config.policy, config.load_factor)
+        self.proxy: Proxy | None = None
+        self.fleet: Fleet | None = None
+        self.api = self._build_api()
+
+    # -- lifespan -----------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        c = self.config
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=c.connect_timeout_s, read=None, write=c.connect_timeout_s, pool=None),
+            limits=httpx.Limits(
+                max_connections=c.max_connections, max_keepalive_connections=c.max_connections, keepalive_expiry=30
+            ),
+            follow_redirects=False,
+            trust_env=False,  # a proxy from the environment must never see worker traffic
+        )
+        for spec in c.workers:
+            self.index.set_capacity(spec.name, c.kv_capacity_tokens)
+        if c.pool_capacity_tokens > 0:
+            from cache_client.base import POOL
+
+            self.index.set_capacity(POOL, c.pool_capacity_tokens)
+        self.fleet = Fleet(
+            c.workers,
+            client,
+            health_interval_s=c.health_interval_s,
+            unhealthy_after=c.unhealthy_after,
+            scrape_metrics=c.scrape_metrics,
+            on_down=self.index.drop_location,
+        )
+        self.proxy = Proxy(
+            proxy_settings(c), self.fleet, self.index, self.loads, self.policy,
+            cost_model(c), self.chains, self.metrics, client,
+        )
+        await self.fleet.start()
+        discoveries = []
+        for target in c.discover:
+            from router.discovery import start_discovery
+
+            discoveries.append(await start_discovery(self.fleet, target))
+        log.info("kvroute %s: %d workers, policy %s", __version__, len(self.fleet), c.policy)
+        try:
+            yield
+        finally:
+            for discovery in discoveries:
+                await discovery.stop()
+            await self.fleet.stop()
+            await self.proxy.close()
+            await self.index.close()
+            await client.aclose()
+
+    # -- endpoints ----------------------------------------------------------------------
+    def _build_api(self) -> FastAPI:
+        api = FastAPI(title="kvroute", version=__version__, lifespan=self.lifespan, docs_url=None, redoc_url=None)
+
+        async def proxied(scope, receive, send) -> None:
+            assert self.proxy is not None
+            await self.proxy(scope, receive, send)
+
+        for path in PROXIED_PATHS:
+            api.router.routes.append(Route(path, endpoint=proxied, methods=["POST"]))
+
+        @api.exception_handler(StarletteHTTPException)
+        async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            return _error(exc.status_code, str(exc.detail), code, headers=getattr(exc, "headers", None))
+
+        @api.exception_handler(RequestValidationError)
+        async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+            return _error(400, "Invalid request parameters.", "invalid_request")
+
+        @api.exception_handler(Exception)
+        async def internal_error(_request: Request, exc: Exception) -> Response:
+            log.error("internal error: %s", type(exc).__name__, exc_info=exc)
+            return _error(500, "Internal router error.", "internal_error")
+
+        @api.get("/health")
+        async def health() -> Response:
+            return _json(200, {"status": "ok"})
+
+        @api.get("/ready")
+        async def ready() -> Response:
+            if self.fleet is not None and self.fleet.any_serving():
+                return _json(200, {"status": "ready"})
+            return _error(503, "No healthy worker.", "no_healthy_worker", headers={"retry-after": "1"})
+
+        @api.get("/v1/models")
+        async def models() -> Response:
+            assert self.fleet is not None
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvroute"} for m in self.fleet.models()]
+            return _json(200, {"object": "list", "data": data})
+
+        @api.get("/metrics")
+        async def metrics() -> Response:
+            self._refresh_gauges()
+            return Response(self.metrics.registry.render(), media_type="text/plain; version=0.0.4")
+
+        return api
+
+    def _refresh_gauges(self) -> None:
+        if self.fleet is None:
+            return
+        # Rebuilt each scrape so that removed workers disappear from the series.
+        self.metrics.worker_healthy.values.clear()
+        self.metrics.worker_inflight.values.clear()
+        for w in self.fleet:
+            self.metrics.worker_healthy.set(w.name, value=1.0 if w.healthy else 0.0)
+            self.metrics.worker_inflight.set(w.name, value=float(self.loads.inflight(w.name)))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and self.proxy is not None
+            and scope["path"] in PROXIED_PATHS
+        ):
+            await self.proxy(scope, receive, send)
+            return
+        await self.api(scope, receive, send)
+
+
+def build_app(config: RouterConfig, **components: Any) -> KvrouteApp:
+    return KvrouteApp(config, **components)

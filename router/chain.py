@@ -1,0 +1,31 @@
+"""From a canonical request body to its prefix-key chain.
+
+`EstimateChainBuilder` (the default) hashes message segments and estimates tokens at four
+bytes a token; the router records each routed chain in the index itself. Precise mode
+(`router/precise.py`) tokenizes with the model's own tokenizer and reproduces vLLM's block
+hashes, and its index is fed by the workers' KV events instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from normalizer.prefix import PrefixChain, chat_segments, completion_segments, prefix_chain
+
+RequestKind = Literal["chat", "completion"]
+
+
+class ChainBuilder(Protocol):
+    records_on_route: bool
+    """Whether the router records the chain on the chosen worker after routing (estimate
+    mode), or the workers' KV events keep the index (precise mode)."""
+
+    def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain: ...
+
+
+class EstimateChainBuilder:
+    records_on_route = True
+
+    def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
+        segments = chat_segments(body) if kind == "chat" else completion_segments(body)
+        return prefix_chain(str(body.get("model", "")), segments)

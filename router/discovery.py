@@ -1,0 +1,480 @@
+"""Worker discovery: keep the fleet in step with a Kubernetes Service while the router runs.
+
+Two sources, both polled:
+
+* `dns://HOST:PORT` — resolve HOST (a headless Service, so one A/AAAA record per ready pod)
+  every `interval_s` with the event loop's `getaddrinfo` (a thread-pool call: the loop never
+  blocks on DNS). Each address becomes a worker named `IP:PORT` at `http://IP:PORT`.
+* `k8s://NAMESPACE/SERVICE:PORT` — list the Service's EndpointSlices from the API server with
+  the pod's service-account token. It sees readiness directly (and terminating pods), at
+  the price of RBAC (`list` on `endpointslices` in NAMESPACE).
+
+Membership diffs are applied with `Fleet.add` and `Fleet.remove`; `remove` runs the fleet's
+`on_down` callback, which drops the leaving worker's index entries. Workers are named after
+their pod IP on purpose: a restarted pod comes back with a new IP and an empty KV cache, so
+it must not inherit the index entries of its predecessor.
+
+A failed lookup (resolver error, API server unreachable) keeps the current membership:
+health checks already stop routing to workers that are really gone, while wiping the fleet
+on a DNS hiccup would throw away every worker's index entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+
+from router.workers import Fleet, WorkerSpec
+
+log = logging.getLogger("kvroute.discovery")
+
+Resolver = Callable[[str], Awaitable[list[str]]]
+"""HOST -> the addresses it resolves to now (an empty list: the name has no records)."""
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+# getaddrinfo errors meaning "this name has no addresses", as opposed to "DNS is broken".
+# A headless Service scaled to zero answers NXDOMAIN: that is an authoritative empty fleet.
+_NO_ADDRESS_ERRORS = frozenset(
+    code
+    for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None))
+    if code is not None
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryTarget:
+    scheme: str
+    """"dns" or "k8s"."""
+    host: str
+    """DNS name to resolve (dns), or the Service name (k8s)."""
+    port: int | str
+    """Worker port. For k8s a name is allowed and matched against the EndpointSlice port names."""
+    namespace: str | None = None
+    """Namespace of the Service (k8s only)."""
+
+
+def parse_discovery_target(target: str) -> DiscoveryTarget:
+    """Parse `dns://HOST:PORT` or `k8s://NAMESPACE/SERVICE:PORT`; raise ValueError otherwise."""
+    parts = urlsplit(target.strip())
+    scheme = parts.scheme.lower()
+    if scheme == "dns":
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"dns discovery target must be dns://HOST:PORT: {target!r}")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad port in discovery target {target!r}") from exc
+        if not parts.hostname or port is None:
+            raise ValueError(f"dns discovery target needs a host and a port: {target!r}")
+        return DiscoveryTarget("dns", parts.hostname, port)
+    if scheme == "k8s":
+        namespace = parts.netloc
+        service, sep, port_s = parts.path.lstrip("/").rpartition(":")
+        if not namespace or not sep or not service or "/" in service or not port_s:
+            raise ValueError(
+                f"k8s discovery target must be k8s://NAMESPACE/SERVICE:PORT: {target!r}"
+            )
+        port: int | str = int(port_s) if port_s.isdigit() else port_s
+        if isinstance(port, int) and not 0 < port < 65536:
+            raise ValueError(f"bad port in discovery target {target!r}")
+        return DiscoveryTarget("k8s", service, port, namespace=namespace)
+    raise ValueError(f"unknown discovery scheme in {target!r} (expected dns:// or k8s://)")
+
+
+def _hostport(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def spec_for(ip: str, port: int, scheme: str = "http") -> WorkerSpec:
+    """The worker a discovered address stands for: named `IP:PORT`, at `http://IP:PORT`."""
+    hostport = _hostport(ip, port)
+    return WorkerSpec(name=hostport, url=f"{scheme}://{hostport}")
+
+
+def kv_events_endpoint(spec: WorkerSpec, port: int = 5557) -> str:
+    """The ZMQ endpoint a discovered vLLM worker publishes KV events on (same host, `port`)."""
+    host = urlsplit(spec.url).hostname or ""
+    return f"tcp://{_hostport(host, port)}"
+
+
+async def system_resolver(host: str) -> list[str]:
+    """Resolve with the loop's getaddrinfo (run in the default executor, never on the loop)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in _NO_ADDRESS_ERRORS:
+            return []
+        raise
+    return [str(info[4][0]) for info in infos]
+
+
+class _Source(Protocol):
+    async def addresses(self) -> list[str]: ...
+
+
+class _MembershipSync:
+    """Apply address-set diffs to the fleet; shared by the DNS and EndpointSlice sources."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        port: int,
+        *,
+        scheme: str,
+        on_added: Callable[[WorkerSpec], Awaitable[None]] | None,
+        on_removed: Callable[[str], Awaitable[None]] | None,
+        check_new: bool,
+    ) -> None:
+        self.fleet = fleet
+        self.port = port
+        self.scheme = scheme
+        self._on_added = on_added
+        self._on_removed = on_removed
+        self._check_new = check_new
+        self._owned: set[str] = set()
+        self._clashes: set[str] = set()
+
+    @property
+    def members(self) -> list[str]:
+        return sorted(self._owned)
+
+    async def apply(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
+        wanted = {
+            spec.name: spec
+            for spec in (spec_for(ip, self.port, self.scheme) for ip in set(addresses))
+        }
+        added: list[WorkerSpec] = []
+        for name in sorted(wanted.keys() - self._owned):
+            if self.fleet.get(name) is not None:
+                # A statically configured worker with the same address: leave it alone (and
+                # don't remove it later either), but say so once.
+                if name not in self._clashes:
+                    log.warning("discovered worker %s is already configured; not managing it", name)
+                    self._clashes.add(name)
+                continue
+            self.fleet.add(wanted[name])
+            self._owned.add(name)
+            added.append(wanted[name])
+        removed = sorted(self._owned - wanted.keys())
+        for name in removed:
+            self._owned.discard(name)
+            await self.fleet.remove(name)
+        self._clashes &= wanted.keys()
+        for name in removed:
+            log.info("worker %s left (no longer in discovery)", name)
+            if self._on_removed is not None:
+                await self._on_removed(name)
+        if added:
+            log.info("workers joined: %s", ", ".join(s.name for s in added))
+            if self._check_new:
+                # Probe newcomers now instead of waiting for the next health round, so a
+                # scaled-up worker takes traffic within one discovery interval.
+                workers = [w for w in (self.fleet.get(s.name) for s in added) if w is not None]
+                await asyncio.gather(
+                    *(self.fleet.check(w) for w in workers), return_exceptions=True
+                )
+            if self._on_added is not None:
+                for spec in added:
+                    await self._on_added(spec)
+        return [s.name for s in added], removed
+
+    async def forget_all(self) -> None:
+        for name in sorted(self._owned):
+            await self.fleet.remove(name)
+            if self._on_removed is not None:
+                await self._on_removed(name)
+        self._owned.clear()
+
+
+class _Poller:
+    """Poll a source every interval and sync the fleet; `start` syncs once before returning."""
+
+    def __init__(
+        self, source: _Source, sync: _MembershipSync, interval_s: float, describe: str
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("discovery interval must be positive")
+        self._source = source
+        self._sync = sync
+        self.interval_s = interval_s
+        self._describe = describe
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.last_error: str | None = None
+
+    @property
+    def members(self) -> list[str]:
+        """Names of the workers this discovery added and still manages."""
+        return self._sync.members
+
+    async def refresh(self) -> tuple[list[str], list[str]]:
+        """One lookup and sync: (names added, names removed). Raises if the lookup fails."""
+        async with self._lock:
+            addresses = await self._source.addresses()
+            result = await self._sync.apply(addresses)
+            self.last_error = None
+            return result
+
+    async def _refresh_logged(self) -> None:
+        try:
+            await self.refresh()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # keep the fleet as it is; see the module docstring
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "discovery of %s failed, keeping %d workers: %s",
+                self._describe,
+                len(self.members),
+                self.last_error,
+            )
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self._refresh_logged()
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        await self._refresh_logged()
+        self._task = asyncio.create_task(self._loop(), name=f"kvroute-discovery-{self._describe}")
+
+    async def stop(self) -> None:
+        """Stop polling. Discovered workers stay in the fleet (the router is shutting down)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class _DnsSource:
+    def __init__(self, host: str, resolver: Resolver) -> None:
+        self.host = host
+        self._resolver = resolver
+
+    async def addresses(self) -> list[str]:
+        out: list[str] = []
+        for raw in await self._resolver(self.host):
+            # Normalise (e.g. IPv6 zero compression) so the same pod keeps the same name,
+            # and refuse non-addresses so a buggy resolver can't inject odd worker URLs.
+            out.append(str(ipaddress.ip_address(raw.split("%", 1)[0])))
+        return out
+
+
+class DnsDiscovery(_Poller):
+    """Workers = the addresses of `dns://HOST:PORT`, re-resolved every `interval_s`.
+
+    `on_added(spec)` / `on_removed(name)` run after the fleet changed (e.g. to subscribe to a
+    newcomer's KV events at `kv_events_endpoint(spec)`); `check_new` health-checks newcomers at
+    once so they are routable before the fleet's next health round.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        target: str,
+        interval_s: float = 5.0,
+        resolver: Resolver | None = None,
+        *,
+        on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
+        on_removed: Callable[[str], Awaitable[None]] | None = None,
+        check_new: bool = True,
+        scheme: str = "http",
+    ) -> None:
+        parsed = parse_discovery_target(target)
+        if parsed.scheme != "dns" or not isinstance(parsed.port, int):
+            raise ValueError(f"DnsDiscovery needs a dns://HOST:PORT target, not {target!r}")
+        self.target = parsed
+        sync = _MembershipSync(
+            fleet,
+            parsed.port,
+            scheme=scheme,
+            on_added=on_added,
+            on_removed=on_removed,
+            check_new=check_new,
+        )
+        super().__init__(
+            _DnsSource(parsed.host, resolver or system_resolver), sync, interval_s, target
+        )
+
+
+# -- Kubernetes EndpointSlices --------------------------------------------------------------
+
+
+def endpoint_slice_addresses(
+    slices: Iterable[dict[str, Any]], port: int | str
+) -> tuple[list[str], int | None]:
+    """Ready addresses in `slices` serving `port`, and the resolved port number.
+
+    `port` is a number (matched against the slices' port numbers) or a port name. Endpoints
+    whose `conditions.ready` is false are skipped; a missing condition counts as ready, as
+    the EndpointSlice API specifies.
+    """
+    addresses: list[str] = []
+    number: int | None = port if isinstance(port, int) else None
+    for item in slices:
+        ports = item.get("ports") or []
+        match = None
+        for p in ports:
+            if (isinstance(port, int) and p.get("port") == port) or (
+                isinstance(port, str) and p.get("name") == port
+            ):
+                match = p
+                break
+        if match is None:
+            continue
+        if number is None and isinstance(match.get("port"), int):
+            number = match["port"]
+        for endpoint in item.get("endpoints") or []:
+            if (endpoint.get("conditions") or {}).get("ready") is False:
+                continue
+            addresses.extend(str(a) for a in endpoint.get("addresses") or [])
+    return addresses, number
+
+
+class _EndpointSliceSource:
+    def __init__(
+        self, client: httpx.AsyncClient, namespace: str, service: str, port: int | str
+    ) -> None:
+        self._client = client
+        self.path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+        self.params = {"labelSelector": f"kubernetes.io/service-name={service}"}
+        self.port = port
+        self.resolved_port: int | None = port if isinstance(port, int) else None
+
+    async def addresses(self) -> list[str]:
+        r = await self._client.get(self.path, params=self.params)
+        r.raise_for_status()
+        addresses, number = endpoint_slice_addresses(r.json().get("items") or [], self.port)
+        if number is not None:
+            self.resolved_port = number
+        if addresses and self.resolved_port is None:
+            raise LookupError(f"EndpointSlice port {self.port!r} has no number")
+        return addresses
+
+
+def in_cluster_client(
+    *,
+    api_server: str | None = None,
+    token_path: Path | None = None,
+    ca_path: Path | None = None,
+    timeout_s: float = 5.0,
+) -> httpx.AsyncClient:
+    """An httpx client for the API server as the pod's service account sees it.
+
+    The token is re-read on every request: Kubernetes rotates projected service-account tokens
+    (hourly by default), and a token read once at start-up would expire under a long-running
+    router.
+    """
+    sa = SERVICE_ACCOUNT_DIR
+    if api_server is None:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST is unset)")
+        api_server = f"https://{_hostport(host, int(port))}"
+    token_file = token_path or sa / "token"
+    ca_file = ca_path or sa / "ca.crt"
+
+    async def add_token(request: httpx.Request) -> None:
+        token = await asyncio.to_thread(token_file.read_text)
+        request.headers["authorization"] = f"Bearer {token.strip()}"
+
+    verify: ssl.SSLContext | bool = (
+        ssl.create_default_context(cafile=str(ca_file)) if ca_file.exists() else True
+    )
+    return httpx.AsyncClient(
+        base_url=api_server, verify=verify, timeout=timeout_s, event_hooks={"request": [add_token]}
+    )
+
+
+class EndpointSliceDiscovery(_Poller):
+    """Workers = ready endpoints of `k8s://NAMESPACE/SERVICE:PORT`, listed every `interval_s`.
+
+    Pass `client` to talk to a specific API server (tests use a fake one on loopback);
+    otherwise `in_cluster_client()` is used and closed by `stop()`.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        target: str,
+        interval_s: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+        *,
+        on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
+        on_removed: Callable[[str], Awaitable[None]] | None = None,
+        check_new: bool = True,
+        scheme: str = "http",
+    ) -> None:
+        parsed = parse_discovery_target(target)
+        if parsed.scheme != "k8s" or parsed.namespace is None:
+            raise ValueError(
+                f"EndpointSliceDiscovery needs a k8s://NAMESPACE/SERVICE:PORT target, not {target!r}"
+            )
+        self.target = parsed
+        self._own_client = client is None
+        self._client = client if client is not None else in_cluster_client()
+        self._slices = _EndpointSliceSource(
+            self._client, parsed.namespace, parsed.host, parsed.port
+        )
+        sync = _SlicePortSync(
+            self._slices,
+            fleet,
+            scheme=scheme,
+            on_added=on_added,
+            on_removed=on_removed,
+            check_new=check_new,
+        )
+        super().__init__(self._slices, sync, interval_s, target)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._own_client:
+            await self._client.aclose()
+
+
+class _SlicePortSync(_MembershipSync):
+    """A named port is only known once a slice was read: take the number from the source."""
+
+    def __init__(self, source: _EndpointSliceSource, fleet: Fleet, **kwargs: Any) -> None:
+        super().__init__(fleet, source.resolved_port or 0, **kwargs)
+        self._source = source
+
+    async def apply(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
+        if self._source.resolved_port is not None:
+            self.port = self._source.resolved_port
+        return await super().apply(addresses)
+
+
+def make_discovery(
+    fleet: Fleet,
+    target: str,
+    interval_s: float = 5.0,
+    *,
+    on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
+    on_removed: Callable[[str], Awaitable[None]] | None = None,
+) -> DnsDiscovery | EndpointSliceDiscovery:
+    """The discovery for a `--discover` target (dns:// or k8s://)."""
+    scheme = parse_discovery_target(target).scheme
+    if scheme == "dns":
+        return DnsDiscovery(fleet, target, interval_s, on_added=on_added, on_removed=on_removed)
+    return EndpointSliceDiscovery(
+        fleet, target, interval_s, on_added=on_added, on_removed=on_removed
+    )

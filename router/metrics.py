@@ -1,0 +1,194 @@
+"""A small Prometheus registry: counters, gauges and histograms with labels.
+
+Written here rather than taken from prometheus_client because the hot path increments
+several series per request and per stream: a dict update without locks (one event loop)
+is all that needs. Exposition follows the Prometheus text format 0.0.4.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+
+LabelValues = tuple[str, ...]
+
+DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: tuple[str, ...], values: LabelValues, extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help_: str, labels: Iterable[str] = ()) -> None:
+        self.name = name
+        self.help = help_
+        self.labelnames = tuple(labels)
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_: str, labels: Iterable[str] = ()) -> None:
+        super().__init__(name, help_, labels)
+        self.values: dict[LabelValues, float] = {}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def get(self, *labels: str) -> float:
+        return self.values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        lines += [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in self.values.items()]
+        return lines
+
+
+class Gauge(Counter):
+    kind = "gauge"
+
+    def set(self, *labels: str, value: float) -> None:
+        self.values[labels] = value
+
+    def remove(self, *labels: str) -> None:
+        self.values.pop(labels, None)
+
+
+class CallbackGauge(_Metric):
+    """A gauge read at scrape time from a callback returning {label values: value}."""
+
+    kind = "gauge"
+
+    def __init__(
+        self, name: str, help_: str, labels: Iterable[str], read: Callable[[], dict[LabelValues, float]]
+    ) -> None:
+        super().__init__(name, help_, labels)
+        self.read = read
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        lines += [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in self.read().items()]
+        return lines
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(
+        self, name: str, help_: str, labels: Iterable[str] = (), buckets: Iterable[float] = DEFAULT_BUCKETS
+    ) -> None:
+        super().__init__(name, help_, labels)
+        self.buckets = tuple(sorted(buckets))
+        # per label set: [count per bucket (non-cumulative, +Inf last), sum]
+        self.series: dict[LabelValues, tuple[list[int], list[float]]] = {}
+
+    def observe(self, value: float, *labels: str) -> None:
+        s = self.series.get(labels)
+        if s is None:
+            s = self.series[labels] = ([0] * (len(self.buckets) + 1), [0.0])
+        s[0][bisect.bisect_left(self.buckets, value)] += 1
+        s[1][0] += value
+
+    def count(self, *labels: str) -> int:
+        s = self.series.get(labels)
+        return sum(s[0]) if s else 0
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        for key, (counts, total) in self.series.items():
+            cum = 0
+            for bound, c in zip((*self.buckets, float("inf")), counts, strict=True):
+                cum += c
+                le = 'le="+Inf"' if bound == float("inf") else f'le="{_num(bound)}"'
+                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {cum}")
+            lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_num(total[0])}")
+            lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {cum}")
+        return lines
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._metrics: dict[str, _Metric] = {}
+
+    def register(self, metric):
+        if metric.name in self._metrics:
+            raise ValueError(f"metric {metric.name} registered twice")
+        self._metrics[metric.name] = metric
+        return metric
+
+    def counter(self, name: str, help_: str, labels: Iterable[str] = ()) -> Counter:
+        return self.register(Counter(name, help_, labels))
+
+    def gauge(self, name: str, help_: str, labels: Iterable[str] = ()) -> Gauge:
+        return self.register(Gauge(name, help_, labels))
+
+    def histogram(
+        self, name: str, help_: str, labels: Iterable[str] = (), buckets: Iterable[float] = DEFAULT_BUCKETS
+    ) -> Histogram:
+        return self.register(Histogram(name, help_, labels, buckets))
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in self._metrics.values():
+            lines += metric.render()  # type: ignore[attr-defined]
+        return "\n".join(lines) + "\n"
+
+
+class RouterMetrics:
+    """The router's own series. One instance per app (tests run several apps per process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.requests = r.counter(
+            "kvroute_requests_total", "Proxied requests by worker, route reason and HTTP status.",
+            ("worker", "reason", "status"),
+        )
+        self.ttft = r.histogram(
+            "kvroute_ttft_seconds", "Time from request arrival to the first byte from the worker, as seen by the router."
+        )
+        self.prompt_tokens = r.counter("kvroute_prompt_tokens_total", "Estimated prompt tokens of routed requests.")
+        self.predicted_cached = r.counter(
+            "kvroute_predicted_cached_tokens_total",
+            "Prompt tokens the router predicted the chosen worker (or the pool) already held.",
+        )
+        self.retries = r.counter(
+            "kvroute_retries_total", "Requests retried on another worker after a failure before the first byte."
+        )
+        self.stream_errors = r.counter(
+            "kvroute_stream_errors_total", "Streams ended with an error event after their first byte."
+        )
+        self.client_disconnects = r.counter(
+            "kvroute_client_disconnects_total", "Requests whose client went away before the answer was complete."
+        )
+        self.rejected = r.counter(
+            "kvroute_rejected_total", "Requests answered by the router itself with an error, by code.", ("code",)
+        )
+        self.route_seconds = r.histogram(
+            "kvroute_route_seconds", "Time to canonicalize, hash, look up and decide.", buckets=FAST_BUCKETS
+        )
+        self.index_lookup_seconds = r.histogram(
+            "kvroute_index_lookup_seconds", "Index lookup latency.", buckets=FAST_BUCKETS
+        )
+        self.index_backend_up = r.gauge(
+            "kvroute_index_backend_up", "1 if the configured index backend answers, 0 while on the local fallback."
+        )
+        self.worker_inflight = r.gauge("kvroute_worker_inflight", "Requests in flight per worker.", ("worker",))
+        self.worker_healthy = r.gauge("kvroute_worker_healthy", "1 if the worker passes health checks.", ("worker",))

@@ -1,0 +1,27 @@
+"""Routing policies, one per module, all behind `base.Policy`."""
+
+from __future__ import annotations
+
+from router.policies.base import Policy
+from router.policies.cache_aware import CacheAwarePolicy
+from router.policies.least_loaded import LeastLoadedPolicy
+from router.policies.random import RandomPolicy
+from router.policies.round_robin import RoundRobinPolicy
+from router.policies.session import SessionPolicy
+
+POLICIES: dict[str, type] = {
+    p.name: p for p in (RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, SessionPolicy, CacheAwarePolicy)
+}
+
+
+def make_policy(name: str, load_factor: float | None = None) -> Policy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+    if load_factor is not None and cls in (SessionPolicy, CacheAwarePolicy):
+        return cls(load_factor=load_factor)
+    return cls()
+
+
+__all__ = ["POLICIES", "Policy", "make_policy"]

@@ -1,0 +1,67 @@
+"""Cache-aware routing: the lowest predicted time to first token, under bounded loads.
+
+For each candidate: predicted TTFT = the prefill work already queued on it + the requests
+running on it × their share of each batch step + the prefill of the prompt tokens it does
+not hold (tokens held in the shared pool are charged their PCIe copy instead). Like
+NVIDIA Dynamo's KV router, cache overlap and load are weighed in one currency, so a long
+cached conversation stays on its worker unless that worker's queue costs more than
+recomputing the conversation elsewhere.
+
+Hot prefixes: a system prompt shared by every session is cached on whichever worker served
+it first and would make that worker the cheapest for everyone. Bounded loads cap each
+worker's share; spilled requests compute the prefix once on another worker, which then
+holds it too — the hot prefix is replicated exactly as far as load requires, while each
+conversation's own turns still follow its longer cached prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from cache_client.base import POOL, IndexView
+from router.cost import CostModel
+from router.policies.bounded import DEFAULT_LOAD_FACTOR, within_bounds
+from router.routing import RouteDecision, RouteRequest, WorkerLoad
+
+
+class CacheAwarePolicy:
+    name: ClassVar[str] = "cache_aware"
+    uses_index: ClassVar[bool] = True
+
+    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
+        self._load_factor = load_factor
+
+    def choose(
+        self, request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad], cost: CostModel
+    ) -> RouteDecision:
+        chain = request.chain
+        total = chain.total_tokens
+        pool = chain.tokens_at_depth(view.depth(POOL))
+        eligible = {w.name for w in within_bounds(loads, self._load_factor)}
+
+        # (predicted ttft, recent load, name, gpu-cached tokens, reused tokens, prefill seconds)
+        scored = []
+        for w in loads:
+            gpu = chain.tokens_at_depth(view.depth(w.name))
+            reuse = max(gpu, pool)
+            prefill = cost.pool_load_s(pool - gpu) + cost.prefill_s(reuse, total)
+            ttft = w.queued_prefill_s + w.inflight * cost.inflight_penalty_s + prefill
+            scored.append((ttft, w.recent, w.name, gpu, reuse, prefill))
+        scored.sort()
+
+        best_unbounded = scored[0]
+        chosen = next(s for s in scored if s[2] in eligible)
+        _, _, name, gpu, reuse, prefill = chosen
+        if chosen is not best_unbounded and best_unbounded[4] > reuse:
+            reason = "overload"
+        elif gpu > 0 and gpu >= pool:
+            reason = "gpu_hit"
+        elif pool > gpu:
+            reason = "pool_hit"
+        else:
+            reason = "miss"
+        ranking = tuple(s[2] for s in scored if s is not chosen and s[2] in eligible) + tuple(
+            s[2] for s in scored if s[2] not in eligible
+        )
+        return RouteDecision(name, reason, cached_tokens=reuse, prefill_s=prefill, ranking=ranking)

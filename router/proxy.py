@@ -1,0 +1,361 @@
+"""The hot path: the proxied OpenAI endpoints as a raw ASGI handler.
+
+Per request: read the body (bounded), parse it once (orjson), canonicalize it, hash its
+prefix chain once, look the chain up in the index (at most one round trip), ask the policy,
+forward the canonical bytes, and relay the answer. Streams are relayed chunk by chunk as
+the worker sends them, never parsed or re-serialised.
+
+Failures before the first byte (connect errors, 5xx answers, first-byte timeouts) are
+retried on the next worker of the policy's ranking; after the first byte a stream ends with
+an OpenAI-style error event and `[DONE]`. A client that disconnects cancels the handler,
+which closes the upstream request so the engine aborts it and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
+from normalizer.canonical import NormalizeOptions, canonicalize_body
+from normalizer.prefix import PrefixChain
+from router.chain import ChainBuilder, RequestKind
+from router.cost import CostModel
+from router.deadlines import Deadlines, Flight
+from router.errors import RouterError, sse_error_event
+from router.load import LoadBoard
+from router.metrics import RouterMetrics
+from router.policies.base import Policy
+from router.policies.least_loaded import LeastLoadedPolicy
+from router.requests import parse_body, validate
+from router.routing import RouteDecision, RouteRequest
+from router.workers import Fleet, Worker
+
+log = logging.getLogger("kvroute.proxy")
+
+PROXIED_PATHS: dict[str, RequestKind | None] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": None,
+}
+
+# Never forwarded upstream: hop-by-hop headers (RFC 9110 §7.6.1), what httpx sets itself,
+# and the client's credentials (workers get their own, see WorkerSpec.api_key).
+_DROP_REQUEST_HEADERS = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"accept-encoding", b"authorization", b"cookie", b"x-api-key",
+    }
+)
+_DROP_RESPONSE_HEADERS = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"server", b"date",
+        b"location", b"x-kvroute-worker", b"x-kvroute-route-reason",
+    }
+)
+_RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+_EMBEDDINGS_POLICY = LeastLoadedPolicy()
+_EMPTY_CHAIN = PrefixChain((), (), 0)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_attempts: int = 3
+    """Distinct workers tried for one request before it fails."""
+    first_byte_timeout_s: float = 300.0
+    """Until the worker's first body byte (queueing + prefill), per attempt."""
+    idle_timeout_s: float = 120.0
+    """Longest silence between two chunks of a stream."""
+    total_timeout_s: float | None = None
+    forward_client_auth: bool = False
+    normalize: NormalizeOptions = field(default_factory=NormalizeOptions)
+    pool_enabled: bool = False
+    """Workers share an LMCache pool: every routed prefix is also recorded on the pool."""
+
+
+class _UpstreamFailed(Exception):
+    def __init__(self, why: str, passive_down: bool) -> None:
+        super().__init__(why)
+        self.why = why
+        self.passive_down = passive_down
+        """A connection-level failure: take the worker out until a health check passes."""
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        fleet: Fleet,
+        index: PrefixIndex,
+        loads: LoadBoard,
+        policy: Policy,
+        cost: CostModel,
+        chains: ChainBuilder,
+        metrics: RouterMetrics,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.index = index
+        self.loads = loads
+        self.policy = policy
+        self.cost = cost
+        self.chains = chains
+        self.metrics = metrics
+        self.client = client
+        self.deadlines = Deadlines()
+
+    # -- ASGI entry ---------------------------------------------------------------------
+    async def __call__(self, scope: dict, receive, send) -> None:
+        started = time.perf_counter()
+        task = asyncio.current_task()
+        watcher: asyncio.Task | None = None
+        state = {"finished": False, "disconnected": False}
+        try:
+            raw = await self._read_body(scope, receive)
+
+            async def watch() -> None:
+                message = await receive()
+                if message["type"] == "http.disconnect" and not state["finished"]:
+                    state["disconnected"] = True
+                    task.cancel()  # type: ignore[union-attr]
+
+            watcher = asyncio.create_task(watch())
+            await self._handle(scope, raw, send, started, state)
+        except _Disconnected:
+            self.metrics.client_disconnects.inc()
+        except RouterError as exc:
+            self.metrics.rejected.inc(exc.code)
+            await _send_whole(send, exc.status, exc.headers(), exc.body())
+        except asyncio.CancelledError:
+            if not state["disconnected"]:
+                raise
+            self.metrics.client_disconnects.inc()
+            task.uncancel()  # type: ignore[union-attr]
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _read_body(self, scope: dict, receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise RouterError(413, f"Request body exceeds the limit of {limit} bytes.", "request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise RouterError(413, f"Request body exceeds the limit of {limit} bytes.", "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    # -- routing ------------------------------------------------------------------------
+    def _candidates(self, model: str) -> list[Worker]:
+        candidates = self.fleet.candidates(model)
+        if candidates:
+            return candidates
+        known = any(model in w.models for w in self.fleet)
+        if known or not any(w.models for w in self.fleet):
+            raise RouterError(503, "No healthy worker is available for this model.", "no_healthy_worker", retry_after=1)
+        raise RouterError(404, f"The model '{model}' does not exist.", "model_not_found")
+
+    async def decide(
+        self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
+    ) -> tuple[RouteDecision, PrefixChain]:
+        """Everything between a parsed body and a worker: the part `/debug/route` explains."""
+        candidates = self._candidates(model)
+        loads = self.loads.snapshot([w.name for w in candidates])
+        if kind is None:
+            return _EMBEDDINGS_POLICY.choose(RouteRequest(_EMPTY_CHAIN), EMPTY_VIEW, loads, self.cost), _EMPTY_CHAIN
+        chain = self.chains.build(body, kind)
+        if self.policy.uses_index:
+            t0 = time.perf_counter()
+            view = await self.index.lookup(chain.keys)
+            self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
+        else:
+            view = EMPTY_VIEW
+        request = RouteRequest(chain, session_key)
+        return self.policy.choose(request, view, loads, self.cost), chain
+
+    async def _handle(self, scope: dict, raw: bytes, send, started: float, state: dict) -> None:
+        kind = PROXIED_PATHS[scope["path"]]
+        body = parse_body(raw)
+        model = validate(body, kind)
+        if kind is not None:
+            body = canonicalize_body(body, self.settings.normalize)
+        session_key = _header(scope, b"x-session-id") or body.get("user")
+        decision, chain = await self.decide(body, kind, model, session_key)
+        self.metrics.route_seconds.observe(time.perf_counter() - started)
+        if kind is not None:
+            self.metrics.prompt_tokens.inc(amount=chain.total_tokens)
+            self.metrics.predicted_cached.inc(amount=decision.cached_tokens)
+
+        payload = orjson.dumps(body)
+        headers = self._upstream_headers(scope)
+        stream = body.get("stream") is True
+        order = [decision.worker, *decision.ranking][: self.settings.max_attempts]
+        last_error = "no worker tried"
+        for attempt, name in enumerate(order):
+            worker = self.fleet.get(name)
+            if worker is None or not worker.serving:
+                continue
+            reason = decision.reason if attempt == 0 else "retry"
+            prefill_s = decision.prefill_s if attempt == 0 else self.cost.prefill_s(0, chain.total_tokens)
+            if self.chains.records_on_route and chain.keys:
+                await self._record(name, chain)
+            try:
+                await self._forward(
+                    scope, worker, reason, payload, headers, stream, prefill_s, started, send, state
+                )
+                return
+            except _UpstreamFailed as exc:
+                last_error = exc.why
+                self.metrics.requests.inc(name, reason, "error")
+                if exc.passive_down:
+                    await self.fleet.mark_failed(name)
+                if attempt + 1 < len(order):
+                    self.metrics.retries.inc()
+                log.warning("worker %s failed before the first byte (%s); %s", name, exc.why,
+                            "retrying" if attempt + 1 < len(order) else "giving up")
+        raise RouterError(502, f"The request failed on every worker tried ({last_error}).", "upstream_unavailable")
+
+    async def _record(self, worker: str, chain: PrefixChain) -> None:
+        key_tokens = key_tokens_of(chain.cum_tokens)
+        await self.index.record(worker, chain.keys, key_tokens)
+        if self.settings.pool_enabled:
+            await self.index.record(POOL, chain.keys, key_tokens)
+
+    def _upstream_headers(self, scope: dict) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST_HEADERS]
+        if self.settings.forward_client_auth:
+            headers += [(k, v) for k, v in scope["headers"] if k == b"authorization"]
+        headers.append((b"accept-encoding", b"identity"))
+        return headers
+
+    # -- forwarding ---------------------------------------------------------------------
+    async def _forward(
+        self,
+        scope: dict,
+        worker: Worker,
+        reason: str,
+        payload: bytes,
+        headers: list[tuple[bytes, bytes]],
+        stream: bool,
+        prefill_s: float,
+        started: float,
+        send,
+        state: dict,
+    ) -> None:
+        s = self.settings
+        ticket = self.loads.acquire(worker.name, prefill_s)
+        flight = self.deadlines.track(s.first_byte_timeout_s if stream else (s.total_timeout_s or s.first_byte_timeout_s), s.total_timeout_s)
+        upstream: httpx.Response | None = None
+        try:
+            request_headers = list(headers)
+            if worker.api_key and not s.forward_client_auth:
+                request_headers.append((b"authorization", b"Bearer " + worker.api_key.encode()))
+            request = self.client.build_request("POST", worker.url + scope["path"], content=payload, headers=request_headers)
+            try:
+                upstream = await self.client.send(request, stream=True)
+                if upstream.status_code in _RETRYABLE_STATUS:
+                    await upstream.aread()
+                    raise _UpstreamFailed(f"worker answered {upstream.status_code}", passive_down=False)
+                chunks = upstream.aiter_raw()
+                if stream and upstream.status_code == 200:
+                    first = await anext(chunks, b"")
+                else:
+                    first = await upstream.aread()
+            except asyncio.CancelledError:
+                if flight.expired is None:
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                raise _UpstreamFailed("no first byte before the timeout", passive_down=False) from None
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                raise _UpstreamFailed(type(exc).__name__, passive_down=True) from None
+            except httpx.HTTPError as exc:
+                raise _UpstreamFailed(type(exc).__name__, passive_down=False) from None
+
+            self.loads.first_byte(ticket)
+            self.fleet.mark_ok(worker.name)
+            status = upstream.status_code
+            if stream and status == 200:
+                self.metrics.ttft.observe(time.perf_counter() - started)
+            response_headers = [
+                (k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in _DROP_RESPONSE_HEADERS
+            ]
+            response_headers += [
+                (b"x-kvroute-worker", worker.name.encode()),
+                (b"x-kvroute-route-reason", reason.encode()),
+            ]
+            self.metrics.requests.inc(worker.name, reason, str(status))
+            if not (stream and status == 200):
+                state["finished"] = True
+                await _send_whole(send, status, response_headers, first)
+                return
+            await send({"type": "http.response.start", "status": status, "headers": response_headers})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await self._relay(chunks, flight, send, state)
+        finally:
+            self.deadlines.done(flight)
+            self.loads.release(ticket)
+            if upstream is not None:
+                await upstream.aclose()
+
+    async def _relay(self, chunks, flight: Flight, send, state: dict) -> None:
+        loop = asyncio.get_running_loop()
+        idle = self.settings.idle_timeout_s
+        flight.extend(loop.time() + idle)
+        tail = b""
+        try:
+            async for chunk in chunks:
+                flight.extend(loop.time() + idle)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except asyncio.CancelledError:
+            if flight.expired is None:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            tail = self._stream_failed("the worker stopped sending (timeout)")
+        except httpx.HTTPError as exc:
+            tail = self._stream_failed(f"the worker connection failed ({type(exc).__name__})")
+        state["finished"] = True
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _stream_failed(self, why: str) -> bytes:
+        self.metrics.stream_errors.inc()
+        log.warning("stream broken after its first byte: %s", why)
+        return sse_error_event(f"The stream was interrupted: {why}.", "stream_interrupted")
+
+    async def close(self) -> None:
+        await self.deadlines.close()
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def _send_whole(send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,65 @@
+"""Parsing and validating client requests: parse once, reject bad input with a clear 4xx."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from router.chain import RequestKind
+from router.errors import RouterError
+
+
+def _bad(message: str, code: str) -> RouterError:
+    return RouterError(400, message, code)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise _bad("The request body is empty; expected a JSON object.", "empty_body")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.", "invalid_body")
+    return body
+
+
+def _check_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise _bad("Missing required parameter: 'model'.", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' must be a non-empty string.", "invalid_type")
+    return model
+
+
+def validate(body: dict[str, Any], kind: RequestKind | None) -> str:
+    """Check the fields the router itself relies on; the worker validates the rest."""
+    model = _check_model(body)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean.", "invalid_type")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("'user' must be a string.", "invalid_type")
+    if kind == "chat":
+        messages = body.get("messages")
+        if messages is None:
+            raise _bad("Missing required parameter: 'messages'.", "missing_required_parameter")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("'messages' must be a non-empty array.", "invalid_type")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise _bad(f"'messages[{i}]' must be an object with a string 'role'.", "invalid_type")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _bad("'tools' must be an array.", "invalid_type")
+    elif kind == "completion":
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise _bad("Missing required parameter: 'prompt'.", "missing_required_parameter")
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise _bad("'prompt' must be a string or a non-empty array.", "invalid_type")
+    return model

@@ -1,0 +1,184 @@
+"""`kvroute serve`: flags, `KVROUTE_*` environment variables and a YAML file → RouterConfig.
+
+Every field of `RouterConfig` is a flag (`kv_capacity_tokens` ↔ `--kv-capacity-tokens`), an
+environment variable (`KVROUTE_KV_CAPACITY_TOKENS`) and a YAML key (`kv_capacity_tokens`).
+Precedence: flag > environment > YAML file > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+import orjson
+
+from router.config import RouterConfig
+from router.policies import POLICIES
+from router.workers import WorkerSpec, parse_worker_arg
+
+ENV_PREFIX = "KVROUTE_"
+LIST_FLAGS = {"workers": "--worker", "discover": "--discover"}
+HELP = {
+    "workers": "a worker as NAME=URL or URL (repeatable)",
+    "discover": "discover workers, e.g. dns://HEADLESS_SERVICE:PORT (repeatable)",
+    "policy": "routing policy",
+    "redis": "share the index through Redis: redis://HOST:PORT/DB (also rediss://, cluster URLs)",
+    "pool_capacity_tokens": "the workers share an LMCache CPU pool of this many tokens (0: no pool)",
+    "kv_capacity_tokens": "KV capacity of each worker in tokens, for the LRU capacity model",
+    "processes": "router processes on one port (share state through --redis)",
+}
+
+
+def _base_type(annotation: Any) -> type:
+    hint = typing.get_type_hints(RouterConfig)[annotation] if isinstance(annotation, str) else annotation
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute serve",
+        description="KV-cache-aware OpenAI-compatible router for vLLM workers.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="YAML config file (env KVROUTE_CONFIG)")
+    hints = typing.get_type_hints(RouterConfig)
+    for f in dataclasses.fields(RouterConfig):
+        help_ = HELP.get(f.name, "")
+        if f.name in LIST_FLAGS:
+            parser.add_argument(LIST_FLAGS[f.name], dest=f.name, action="append", help=help_)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
+        elif f.name == "policy":
+            parser.add_argument(flag, dest=f.name, choices=sorted(POLICIES), help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, help=help_)
+    return parser
+
+
+def _coerce(name: str, value: Any) -> Any:
+    hints = typing.get_type_hints(RouterConfig)
+    kind = _base_type(hints[name])
+    if name == "workers":
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return [_worker(v) for v in items if v]
+    if name == "discover":
+        return [v for v in (value.split(",") if isinstance(value, str) else list(value)) if v]
+    if value is None:
+        return None
+    if kind is bool and isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+def _worker(value: Any) -> WorkerSpec:
+    if isinstance(value, WorkerSpec):
+        return value
+    if isinstance(value, dict):
+        spec = parse_worker_arg(f"{value['name']}={value['url']}" if "name" in value else value["url"])
+        api_key = value.get("api_key")
+        if value.get("api_key_env"):
+            api_key = os.environ.get(value["api_key_env"])
+        return dataclasses.replace(spec, api_key=api_key)
+    return parse_worker_arg(str(value))
+
+
+def load_config(argv: list[str], environ: dict[str, str] | None = None) -> RouterConfig:
+    env = dict(os.environ if environ is None else environ)
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    config_path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        import yaml
+
+        with open(config_path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"kvroute: {config_path}: expected a mapping of settings")
+        for key, value in loaded.items():
+            values[key.replace("-", "_")] = value
+    names = {f.name for f in dataclasses.fields(RouterConfig)}
+    unknown = set(values) - names
+    if unknown:
+        raise SystemExit(f"kvroute: unknown settings in {config_path}: {', '.join(sorted(unknown))}")
+    for name in names:
+        for env_name in (ENV_PREFIX + name.upper(), ENV_PREFIX + LIST_FLAGS.get(name, "").lstrip("-").upper()):
+            if env_name != ENV_PREFIX and env_name in env:
+                values[name] = env[env_name]
+    values.update(args)
+    try:
+        coerced = {k: _coerce(k, v) for k, v in values.items()}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise SystemExit(f"kvroute: bad setting: {exc}") from None
+    config = RouterConfig(**coerced)
+    if config.policy not in POLICIES:
+        raise SystemExit(f"kvroute: unknown policy {config.policy!r}")
+    return config
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # httpx logs every request with its URL at INFO; worker addresses stay out of logs.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def make_app(config: RouterConfig):
+    from router.app import build_app
+
+    components: dict[str, Any] = {}
+    if config.redis:
+        from cache_client.redis_index import connect_redis
+
+        components.update(connect_redis(config))
+    return build_app(config, **components)
+
+
+_CONFIG_ENV = "KVROUTE__SERVE_CONFIG_JSON"
+
+
+def app_from_env():
+    """uvicorn factory for `--processes N`: each process rebuilds the app from the config."""
+    raw = orjson.loads(os.environ[_CONFIG_ENV])
+    raw["workers"] = [WorkerSpec(**w) for w in raw["workers"]]
+    config = RouterConfig(**raw)
+    configure_logging(config.log_level)
+    return make_app(config)
+
+
+def cli(argv: list[str]) -> int:
+    import uvicorn
+
+    config = load_config(argv)
+    configure_logging(config.log_level)
+    if not config.workers and not config.discover:
+        print("kvroute serve: give at least one --worker NAME=URL or --discover TARGET", file=sys.stderr)
+        return 2
+    common: dict[str, Any] = dict(
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=config.log_level,
+        access_log=False,
+        server_header=False,
+        backlog=4096,
+        timeout_graceful_shutdown=30,
+    )
+    if config.processes > 1:
+        os.environ[_CONFIG_ENV] = orjson.dumps(dataclasses.asdict(config)).decode()
+        uvicorn.run("router.serve:app_from_env", factory=True, workers=config.processes, **common)
+    else:
+        uvicorn.run(make_app(config), **common)
+    return 0

@@ -1,0 +1,233 @@
+"""The fleet: which workers exist, which are healthy, what models they serve.
+
+Active health checks probe `GET /health` and `GET /v1/models` on every worker; passive
+failures (a connection refused while forwarding) mark a worker down at once. A worker that
+goes down loses its index entries: if it restarts, its KV cache is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+log = logging.getLogger("kvroute.workers")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    name: str
+    url: str
+    api_key: str | None = None
+    """Credential sent to this worker (`Authorization: Bearer`), never the client's."""
+
+
+@dataclass(slots=True)
+class Worker:
+    name: str
+    url: str
+    api_key: str | None = None
+    healthy: bool = False
+    draining: bool = False
+    models: frozenset[str] = frozenset()
+    failures: int = 0
+    """Consecutive failed health checks or forwards."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Last scraped engine gauges (vllm:num_requests_waiting, ...)."""
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and not self.draining
+
+
+def parse_worker_arg(arg: str) -> WorkerSpec:
+    """`NAME=URL` or a bare `URL` (named after its host:port)."""
+    name, sep, url = arg.partition("=")
+    if not sep or "://" in name:
+        url = arg
+        name = url.split("://", 1)[-1].rstrip("/")
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"worker URL must start with http:// or https://: {arg!r}")
+    return WorkerSpec(name=name, url=url)
+
+
+SCRAPED_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def parse_vllm_gauges(text: str) -> dict[str, float]:
+    """Sum the few engine gauges we use over all their label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SCRAPED_GAUGES:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return out
+
+
+class Fleet:
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        client: httpx.AsyncClient,
+        *,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 2.0,
+        unhealthy_after: int = 2,
+        scrape_metrics: bool = False,
+        on_down: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        self._client = client
+        self._workers: dict[str, Worker] = {}
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.unhealthy_after = unhealthy_after
+        self.scrape_metrics = scrape_metrics
+        self._on_down = on_down
+        self._task: asyncio.Task | None = None
+        for spec in specs:
+            self.add(spec)
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, spec: WorkerSpec) -> Worker:
+        if spec.name in self._workers:
+            raise ValueError(f"worker {spec.name!r} already exists")
+        worker = Worker(spec.name, spec.url, spec.api_key)
+        self._workers[spec.name] = worker
+        return worker
+
+    async def remove(self, name: str) -> bool:
+        worker = self._workers.pop(name, None)
+        if worker is None:
+            return False
+        if self._on_down is not None:
+            await self._on_down(name)
+        return True
+
+    def drain(self, name: str, draining: bool = True) -> bool:
+        worker = self._workers.get(name)
+        if worker is None:
+            return False
+        worker.draining = draining
+        return True
+
+    def get(self, name: str) -> Worker | None:
+        return self._workers.get(name)
+
+    def __iter__(self):
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def names(self) -> list[str]:
+        return list(self._workers)
+
+    # -- selection --------------------------------------------------------------------
+    def candidates(self, model: str | None) -> list[Worker]:
+        """Serving workers that serve `model` (workers whose model list is unknown count)."""
+        return [
+            w
+            for w in self._workers.values()
+            if w.serving and (model is None or not w.models or model in w.models)
+        ]
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for w in self._workers.values():
+            if w.healthy:
+                for m in sorted(w.models):
+                    seen.setdefault(m, None)
+        return list(seen)
+
+    def any_serving(self) -> bool:
+        return any(w.serving for w in self._workers.values())
+
+    # -- health -----------------------------------------------------------------------
+    async def mark_failed(self, name: str) -> None:
+        """A forward to `name` failed before its first byte (connection refused, reset)."""
+        worker = self._workers.get(name)
+        if worker is None:
+            return
+        worker.failures += 1
+        if worker.healthy:
+            await self._set_down(worker, "forward failed")
+
+    def mark_ok(self, name: str) -> None:
+        worker = self._workers.get(name)
+        if worker is not None:
+            worker.failures = 0
+
+    async def _set_down(self, worker: Worker, why: str) -> None:
+        worker.healthy = False
+        log.warning("worker %s is down (%s); its index entries are dropped", worker.name, why)
+        if self._on_down is not None:
+            await self._on_down(worker.name)
+
+    def _headers(self, worker: Worker) -> dict[str, str]:
+        return {"authorization": f"Bearer {worker.api_key}"} if worker.api_key else {}
+
+    async def check(self, worker: Worker) -> bool:
+        try:
+            r = await self._client.get(
+                worker.url + "/health", headers=self._headers(worker), timeout=self.health_timeout_s
+            )
+            ok = r.status_code == 200
+            if ok:
+                r = await self._client.get(
+                    worker.url + "/v1/models", headers=self._headers(worker), timeout=self.health_timeout_s
+                )
+                if r.status_code == 200:
+                    data = orjson.loads(r.content).get("data") or []
+                    worker.models = frozenset(str(m.get("id")) for m in data if isinstance(m, dict))
+            if ok and self.scrape_metrics:
+                r = await self._client.get(worker.url + "/metrics", timeout=self.health_timeout_s)
+                if r.status_code == 200:
+                    worker.metrics = parse_vllm_gauges(r.text)
+        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError, OSError) as exc:
+            ok = False
+            why = type(exc).__name__
+        else:
+            why = "unhealthy answer"
+        if ok:
+            if not worker.healthy:
+                log.info("worker %s is up", worker.name)
+            worker.healthy = True
+            worker.failures = 0
+        else:
+            worker.failures += 1
+            if worker.healthy and worker.failures >= self.unhealthy_after:
+                await self._set_down(worker, why)
+        return ok
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self._workers.values())))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking
+                log.exception("health check round failed")
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="kvroute-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

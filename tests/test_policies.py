@@ -1,0 +1,122 @@
+"""The routing decision is a pure function: tested here without HTTP."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from cache_client import POOL, IndexView
+from normalizer import chat_segments, prefix_chain
+from router.cost import CostModel
+from router.policies import POLICIES, make_policy
+from router.policies.bounded import within_bounds
+from router.routing import RouteRequest, WorkerLoad
+
+COST = CostModel()
+
+
+def chain(*contents: str):
+    body = {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}
+    return prefix_chain("m", chat_segments(body))
+
+
+def loads(*names: str, **overrides: dict) -> list[WorkerLoad]:
+    return [WorkerLoad(n, **overrides.get(n, {})) for n in names]
+
+
+def test_cost_grows_faster_than_linearly() -> None:
+    assert COST.prefill_s(0, 32_000) > 2 * COST.prefill_s(0, 16_000)
+    assert COST.prefill_s(16_000, 32_000) > COST.prefill_s(0, 16_000)
+    assert COST.prefill_s(100, 100) == 0
+    # Loading from the pool is about ten times cheaper than recomputing (H200 calibration).
+    assert 5 < COST.prefill_s(0, 8000) / COST.pool_load_s(8000) < 20
+
+
+def test_cache_aware_prefers_the_worker_holding_the_prefix() -> None:
+    c = chain("x" * 8000, "y" * 40)
+    view = IndexView({"b": 1 + 1})  # tools segment + first message
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b", "c"), COST)
+    assert d.worker == "b"
+    assert d.reason == "gpu_hit"
+    assert d.cached_tokens == c.tokens_at_depth(2)
+    assert d.ranking[0] in ("a", "c") and set(d.ranking) == {"a", "c"}
+
+
+def test_cache_aware_leaves_a_worker_whose_queue_costs_more_than_recompute() -> None:
+    c = chain("x" * 400, "y" * 40)  # ~110 tokens: cheap to recompute
+    view = IndexView({"b": 3})
+    busy = {"b": {"inflight": 1, "queued_prefill_s": 2.0}}
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b", **busy), COST)
+    assert d.worker == "a"
+    assert d.reason == "miss"
+
+
+def test_cache_aware_pool_hit_charged_transfer_cost() -> None:
+    c = chain("x" * 40_000, "y" * 40)
+    view = IndexView({POOL: 3})
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b"), COST)
+    assert d.reason == "pool_hit"
+    assert d.cached_tokens == c.total_tokens
+    assert d.prefill_s == pytest.approx(COST.pool_load_s(c.total_tokens))
+    # The GPU copy wins over the pool when both hold it.
+    d = make_policy("cache_aware").choose(RouteRequest(c), IndexView({POOL: 3, "b": 3}), loads("a", "b"), COST)
+    assert (d.worker, d.reason, d.prefill_s) == ("b", "gpu_hit", 0.0)
+
+
+def test_cache_aware_overload_spills_the_hot_worker() -> None:
+    c = chain("x" * 8000, "y" * 40)
+    view = IndexView({"a": 3})
+    hot = {"a": {"recent": 10.0}, "b": {"recent": 1.0}, "c": {"recent": 1.0}}
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b", "c", **hot), COST)
+    assert d.worker in ("b", "c")
+    assert d.reason == "overload"
+    assert d.ranking[-1] == "a"
+
+
+def test_new_sessions_spread_when_nothing_is_cached() -> None:
+    policy = make_policy("cache_aware")
+    counts: Counter[str] = Counter()
+    recent = {"a": 0.0, "b": 0.0, "c": 0.0}
+    for i in range(30):
+        ls = [WorkerLoad(n, recent=recent[n]) for n in recent]
+        d = policy.choose(RouteRequest(chain(f"session {i}")), IndexView(), ls, COST)
+        counts[d.worker] += 1
+        recent[d.worker] += 1
+    assert counts == {"a": 10, "b": 10, "c": 10}
+
+
+def test_within_bounds_never_empty_and_caps_the_hot_worker() -> None:
+    ls = loads("a", "b", **{"a": {"inflight": 9}})
+    assert [w.name for w in within_bounds(ls)] == ["b"]
+    assert within_bounds(loads("a")) == loads("a")
+
+
+def test_session_policy_is_sticky_and_bounded() -> None:
+    policy = make_policy("session")
+    ls = loads("a", "b", "c")
+    first = policy.choose(RouteRequest(chain("q"), session_key="s-1"), IndexView(), ls, COST)
+    again = policy.choose(RouteRequest(chain("other"), session_key="s-1"), IndexView(), ls, COST)
+    assert first.worker == again.worker and first.reason == "session"
+    homes = {policy.choose(RouteRequest(chain("q"), session_key=f"s-{i}"), IndexView(), ls, COST).worker for i in range(50)}
+    assert homes == {"a", "b", "c"}
+    crowded = [WorkerLoad(n, inflight=20 if n == first.worker else 0) for n in ("a", "b", "c")]
+    spilled = policy.choose(RouteRequest(chain("q"), session_key="s-1"), IndexView(), crowded, COST)
+    assert spilled.worker != first.worker and spilled.reason == "overload"
+
+
+def test_round_robin_random_least_loaded() -> None:
+    rr = make_policy("round_robin")
+    picks = [rr.choose(RouteRequest(chain("q")), IndexView(), loads("b", "a", "c"), COST).worker for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    rnd = make_policy("random")
+    assert {rnd.choose(RouteRequest(chain("q")), IndexView(), loads("a", "b"), COST).worker for _ in range(50)} == {"a", "b"}
+    ll = make_policy("least_loaded")
+    d = ll.choose(RouteRequest(chain("q")), IndexView(), loads("a", "b", **{"a": {"inflight": 2}}), COST)
+    assert d.worker == "b" and d.ranking == ("a",)
+
+
+def test_every_policy_is_registered_and_unknown_is_rejected() -> None:
+    assert set(POLICIES) == {"random", "round_robin", "least_loaded", "session", "cache_aware"}
+    with pytest.raises(ValueError):
+        make_policy("fastest")
