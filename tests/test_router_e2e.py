@@ -1,0 +1,162 @@
+"""End to end through the official openai SDK: router in front of simulated vLLM workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+
+from loadtests.routerproc import RouterProcess
+from loadtests.sim.cluster import SimCluster
+
+MODEL = "sim-llama3-8b"
+SHARED_SYSTEM = ("You are a careful coding agent. Follow the repository's conventions. " * 90)[:6000]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with SimCluster(workers=3, time_scale=0.02) as c:
+        yield c
+
+
+async def run_conversations(url: str, system_for, n_conv: int = 20, turns: int = 4) -> tuple[float, Counter, dict]:
+    """n_conv concurrent conversations, each sending its turns one after another."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    served: Counter[str] = Counter()
+    sticky = [0, 0]
+    reasons: Counter[str] = Counter()
+
+    async def conversation(c: int) -> None:
+        messages = [{"role": "system", "content": system_for(c)}]
+        first = None
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"Conversation {c}, turn {t}: " + "please continue the task " * 20})
+            raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
+            worker = raw.headers["x-kvroute-worker"]
+            reasons[raw.headers["x-kvroute-route-reason"]] += 1
+            served[worker] += 1
+            if first is None:
+                first = worker
+            else:
+                sticky[1] += 1
+                sticky[0] += worker == first
+            messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+
+    await asyncio.gather(*(conversation(c) for c in range(n_conv)))
+    await client.close()
+    return sticky[0] / sticky[1], served, dict(reasons)
+
+
+def test_conversations_stay_on_their_worker_and_load_spreads(cluster) -> None:
+    with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
+        affinity, served, reasons = asyncio.run(run_conversations(router.url, lambda c: f"You are agent number {c}. " * 30))
+    mean = sum(served.values()) / 3
+    assert sum(served.values()) == 80
+    assert affinity >= 0.95, (affinity, served, reasons)
+    assert max(served.values()) / mean <= 1.5, served
+
+
+def test_shared_system_prompt_does_not_pile_onto_one_worker(cluster) -> None:
+    with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
+        affinity, served, reasons = asyncio.run(run_conversations(router.url, lambda c: SHARED_SYSTEM))
+    assert max(served.values()) <= 0.5 * sum(served.values()), (served, reasons)
+    assert affinity >= 0.90, (affinity, served, reasons)
+    assert reasons.get("gpu_hit", 0) >= 60, reasons
+
+
+def _payloads(lines: list[str]) -> list[dict | str]:
+    out: list[dict | str] = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            out.append(data)
+            continue
+        chunk = json.loads(data)
+        chunk.pop("id", None)  # request ids and timestamps differ per request by design
+        chunk.pop("created", None)
+        out.append(chunk)
+    return out
+
+
+def test_streaming_payloads_equal_the_workers_own(cluster) -> None:
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 12,
+        "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Tell me a story."}],
+    }
+    with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            worker = r.headers["x-kvroute-worker"]
+            via_router = list(r.iter_lines())
+    with httpx.stream("POST", cluster.worker_urls[worker] + "/v1/chat/completions", json=body) as r:
+        direct = list(r.iter_lines())
+    a, b = _payloads(via_router), _payloads(direct)
+    assert len(a) > 5 and a[-1] == "[DONE]"
+    # Usage differs only in cached tokens: the direct request hit the cache the first one filled.
+    for chunk in (a[-2], b[-2]):
+        chunk["usage"].pop("prompt_tokens_details", None)
+    assert a == b
+
+
+def test_sdk_chat_streaming_and_tool_calls(cluster) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        models = [m.id for m in client.models.list().data]
+        assert models == [MODEL]
+
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert reply.choices[0].message.content
+        assert reply.usage.completion_tokens == 5
+
+        text = "".join(
+            (c.choices[0].delta.content or "")
+            for c in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7, stream=True)
+            if c.choices
+        )
+        assert text == reply.choices[0].message.content or len(text) > 0
+
+        call = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools, tool_choice="required"
+        )
+        tool_call = call.choices[0].message.tool_calls[0]
+        assert call.choices[0].finish_reason == "tool_calls"
+        assert tool_call.function.name == "get_weather"
+        assert "city" in json.loads(tool_call.function.arguments)
+
+        streamed = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools, tool_choice="required", stream=True
+        )
+        args = "".join(
+            tc.function.arguments or "" for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])
+        )
+        assert "city" in json.loads(args)
+
+        completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+        assert completion.choices[0].text
+
+        with pytest.raises(openai.NotFoundError) as err:
+            client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        assert err.value.body["code"] == "model_not_found"
+
+
+def test_only_workers_serving_the_model_are_candidates() -> None:
+    with SimCluster(workers=1, time_scale=0.01, model="model-a") as a, SimCluster(workers=1, time_scale=0.01, model="model-b") as b:
+        workers = {"a0": a.worker_urls["w0"], "b0": b.worker_urls["w0"]}
+        with RouterProcess(workers, policy="round_robin") as router:
+            models = httpx.get(router.url + "/v1/models").json()["data"]
+            assert sorted(m["id"] for m in models) == ["model-a", "model-b"]
+            for _ in range(4):
+                r = httpx.post(router.url + "/v1/chat/completions", json={"model": "model-b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-kvroute-worker"] == "b0"
