@@ -21,6 +21,10 @@ class RouterConfig:
     # index
     redis: str | None = None
     redis_prefix: str = "kvroute"
+    redis_ttl_s: float = 3600.0
+    """Index entries not used for this long expire (Redis backend)."""
+    redis_lookup_budget_ms: float = 5.0
+    """Longest a lookup waits for Redis before routing on the replica's local view."""
     kv_capacity_tokens: int = 2_000_000
     pool_capacity_tokens: int = 0
     """>0: the workers share an LMCache CPU pool of this many tokens."""
@@ -29,7 +33,7 @@ class RouterConfig:
     load_factor: float = 1.25
     recent_half_life_s: float = 30.0
     cost_prefill_base_us: float = 20.3
-    cost_prefill_ctx_ns: float = 0.52
+    cost_prefill_ctx_ns: float = 1.01
     cost_pool_load_us: float = 2.4
     cost_inflight_penalty_ms: float = 2.0
 

@@ -3,11 +3,12 @@
 Defaults are derived from `shared/calibration/h200_kv_costs.json` (one H200, bf16,
 Llama-3-8B-shaped layers, 32 layers):
 
-* prefill cost per token grows with context (attention is quadratic). Measured per token
-  over the whole model: 22.4 µs at 4k tokens, 28.9 µs at 16k, 36.9 µs at 32k. A straight
-  line through these, c(x) = 20.3 µs + 0.52 ns · x, fits within 1%; below 4k, fixed
-  overheads dominate (27 µs/token at 1k), which a router can ignore. Prefilling tokens
-  start..end therefore costs ∫ c(x) dx = base·(end-start) + ctx·(end²-start²)/2.
+* prefill cost per token grows with context (attention is quadratic). The calibration gives
+  the whole prompt's prefill time T(N) for N = 1k..32k tokens (32 layers): 92 ms at 4k,
+  474 ms at 16k, 1210 ms at 32k. T(N) = base·N + ctx·N²/2 with base = 20.3 µs and
+  ctx = 1.01 ns fits 4k..32k within 1.5% (below 4k fixed overheads dominate: 28 ms at 1k,
+  which a router can ignore). The marginal cost of token x is base + ctx·x, so prefilling
+  tokens start..end with start already cached costs base·(end-start) + ctx·(end²-start²)/2.
 * a pool hit is charged the host→device copy instead: 128 KiB of K and V per token
   (32 layers · 8 KV heads · 128 dims · 2 · bf16) over 55 GB/s pinned ≈ 2.4 µs/token.
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 class CostModel:
     prefill_base_s: float = 20.3e-6
     """Seconds per prompt token at zero context."""
-    prefill_ctx_s: float = 0.52e-9
+    prefill_ctx_s: float = 1.01e-9
     """Extra seconds per prompt token for each token of context before it."""
     pool_load_s_per_token: float = 2.4e-6
     """Seconds to load one token's KV from the shared CPU pool."""
