@@ -478,3 +478,17 @@ def make_discovery(
     return EndpointSliceDiscovery(
         fleet, target, interval_s, on_added=on_added, on_removed=on_removed
     )
+
+
+async def start_discovery(
+    fleet: Fleet,
+    target: str,
+    interval_s: float = 5.0,
+    *,
+    on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
+    on_removed: Callable[[str], Awaitable[None]] | None = None,
+) -> DnsDiscovery | EndpointSliceDiscovery:
+    """Build the discovery for `target`, sync the fleet once and keep polling; `stop()` it."""
+    discovery = make_discovery(fleet, target, interval_s, on_added=on_added, on_removed=on_removed)
+    await discovery.start()
+    return discovery

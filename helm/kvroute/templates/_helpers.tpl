@@ -1,0 +1,154 @@
+{{/* Names ------------------------------------------------------------------------------ */}}
+
+{{- define "kvroute.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Object names get a component suffix (-vllm-headless is the longest, 14 chars), so the
+     base is kept to 40 characters: StatefulSet pod names and Service names stay valid. */}}
+{{- define "kvroute.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvroute.router.fullname" -}}{{ include "kvroute.fullname" . }}{{- end -}}
+{{- define "kvroute.redis.fullname" -}}{{ include "kvroute.fullname" . }}-redis{{- end -}}
+{{- define "kvroute.vllm.fullname" -}}{{ include "kvroute.fullname" . }}-vllm{{- end -}}
+{{- define "kvroute.vllm.headless" -}}{{ include "kvroute.fullname" . }}-vllm-headless{{- end -}}
+{{- define "kvroute.lmcache.fullname" -}}{{ include "kvroute.fullname" . }}-lmcache{{- end -}}
+
+{{- define "kvroute.router.serviceAccountName" -}}
+{{- if .Values.router.serviceAccount.create -}}
+{{- default (include "kvroute.router.fullname" .) .Values.router.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.router.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.router.authSecretName" -}}
+{{- default (printf "%s-auth" (include "kvroute.router.fullname" .)) .Values.router.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Labels ----------------------------------------------------------------------------- */}}
+
+{{- define "kvroute.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvroute.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvroute.labels" -}}
+helm.sh/chart: {{ include "kvroute.chart" .root }}
+{{ include "kvroute.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: kvroute
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Addresses -------------------------------------------------------------------------- */}}
+
+{{- define "kvroute.svcDomain" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{/* The Redis URL the router uses when it can go into the ConfigMap (bundled, or an
+     external URL given in values). An external URL from a Secret goes through env. */}}
+{{- define "kvroute.redisUrl" -}}
+{{- if eq .Values.redis.mode "bundled" -}}
+{{- printf "redis://%s.%s:%d/0" (include "kvroute.redis.fullname" .) (include "kvroute.svcDomain" .) (int .Values.redis.bundled.port) -}}
+{{- else if and (eq .Values.redis.mode "external") (not .Values.redis.external.existingSecret) -}}
+{{- required "redis.mode=external needs redis.external.url or redis.external.existingSecret" .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.lmcache.host" -}}
+{{- printf "%s.%s" (include "kvroute.lmcache.fullname" .) (include "kvroute.svcDomain" .) -}}
+{{- end -}}
+
+{{/* vLLM's --kv-transfer-config for LMCache multiprocess mode (LMCacheMPConnector). The
+     connector joins lmcache.mp.host and lmcache.mp.port into a ZMQ endpoint, hence tcp://. */}}
+{{- define "kvroute.vllm.kvTransferConfig" -}}
+{{- $extra := dict "lmcache.mp.host" (printf "tcp://%s" (include "kvroute.lmcache.host" .)) "lmcache.mp.port" (int .Values.lmcache.port) -}}
+{{- if eq .Values.lmcache.ipc "isolated" -}}
+{{- $_ := set $extra "lmcache.mp.isolated_ipc" true -}}
+{{- end -}}
+{{- dict "kv_connector" "LMCacheMPConnector" "kv_role" "kv_both" "kv_connector_extra_config" $extra | toJson -}}
+{{- end -}}
+
+{{- define "kvroute.vllm.kvEventsConfig" -}}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.vllm.kvEvents.port)) "topic" .Values.vllm.kvEvents.topic | toJson -}}
+{{- end -}}
+
+{{/* Whether pods get a memory-backed /dev/shm: not with hostIPC, where /dev/shm must be the
+     host's for CUDA IPC between the vLLM and LMCache pods. */}}
+{{- define "kvroute.podShm" -}}
+{{- if not (and .Values.lmcache.enabled (eq .Values.lmcache.ipc "host")) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.image" -}}
+{{- printf "%s:%s" .image.repository (toString (default .default .image.tag)) -}}
+{{- end -}}
+
+{{/* The router's config file: keys are `kvroute serve` flag names with underscores. */}}
+{{- define "kvroute.router.config" -}}
+{{- $r := .Values.router -}}
+{{- $cfg := dict "host" "0.0.0.0" "port" (int $r.port) "policy" $r.policy "processes" (int $r.processes) "log_level" $r.logLevel -}}
+{{- $workers := list -}}
+{{- $kvEvents := list -}}
+{{- if .Values.vllm.enabled -}}
+{{- $mode := $r.discovery.mode -}}
+{{- if eq $mode "dns" -}}
+{{- $_ := set $cfg "discover" (list (printf "dns://%s.%s:%d" (include "kvroute.vllm.headless" .) (include "kvroute.svcDomain" .) (int .Values.vllm.port))) -}}
+{{- else if eq $mode "k8s" -}}
+{{- $_ := set $cfg "discover" (list (printf "k8s://%s/%s:%d" .Release.Namespace (include "kvroute.vllm.headless" .) (int .Values.vllm.port))) -}}
+{{- else -}}
+{{- range $i, $_ := until (int .Values.vllm.replicas) -}}
+{{- $host := printf "%s-%d.%s.%s" (include "kvroute.vllm.fullname" $) $i (include "kvroute.vllm.headless" $) (include "kvroute.svcDomain" $) -}}
+{{- $workers = append $workers (printf "vllm-%d=http://%s:%d" $i $host (int $.Values.vllm.port)) -}}
+{{- if $.Values.vllm.kvEvents.enabled -}}
+{{- $kvEvents = append $kvEvents (printf "vllm-%d=tcp://%s:%d" $i $host (int $.Values.vllm.kvEvents.port)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $workers = concat $workers $r.workers -}}
+{{- $kvEvents = concat $kvEvents $r.kvEvents -}}
+{{- if $workers -}}{{- $_ := set $cfg "workers" $workers -}}{{- end -}}
+{{- if $kvEvents -}}{{- $_ := set $cfg "kv_events" $kvEvents -}}{{- end -}}
+{{- if $r.kvCapacityTokens -}}{{- $_ := set $cfg "kv_capacity_tokens" (int64 $r.kvCapacityTokens) -}}{{- end -}}
+{{- if $r.poolCapacityTokens -}}
+{{- $_ := set $cfg "pool_capacity_tokens" (int64 $r.poolCapacityTokens) -}}
+{{- else if .Values.lmcache.enabled -}}
+{{- /* Tell the router the shared pool exists and how many tokens it holds: without it
+       the router never counts on a pool hit. */ -}}
+{{- $_ := set $cfg "pool_capacity_tokens" (div (mul (int64 .Values.lmcache.maxMemoryGb) 1073741824) (int64 .Values.lmcache.kvBytesPerToken)) -}}
+{{- end -}}
+{{- $redis := include "kvroute.redisUrl" . -}}
+{{- if $redis -}}{{- $_ := set $cfg "redis" $redis -}}{{- end -}}
+{{- if ne .Values.redis.mode "none" -}}{{- $_ := set $cfg "redis_prefix" .Values.redis.prefix -}}{{- end -}}
+{{- if or $r.auth.apiKeys $r.auth.existingSecret -}}
+{{- $_ := set $cfg "api_keys_file" (printf "/etc/kvroute/secrets/%s" $r.auth.apiKeysKey) -}}
+{{- end -}}
+{{- if or $r.auth.adminToken (and $r.auth.existingSecret $r.auth.adminTokenKey) -}}
+{{- $_ := set $cfg "admin_token_file" (printf "/etc/kvroute/secrets/%s" $r.auth.adminTokenKey) -}}
+{{- end -}}
+{{- if and (not $workers) (not (hasKey $cfg "discover")) (not (hasKey $r.extraConfig "workers")) (not (hasKey $r.extraConfig "discover")) -}}
+{{- fail "the router has no workers: enable vllm, or list router.workers / set router.extraConfig.discover" -}}
+{{- end -}}
+{{- toYaml (mergeOverwrite $cfg $r.extraConfig) -}}
+{{- end -}}
