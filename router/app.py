@@ -51,6 +51,7 @@ def cost_model(config: RouterConfig) -> CostModel:
         prefill_ctx_s=config.cost_prefill_ctx_ns * 1e-9,
         pool_load_s_per_token=config.cost_pool_load_us * 1e-6,
         inflight_penalty_s=config.cost_inflight_penalty_ms * 1e-3,
+        step_s=config.cost_step_ms * 1e-3,
     )
 
 
@@ -85,6 +86,9 @@ class KvrouteApp:
         self.config = config
         self.metrics = RouterMetrics()
         self.index: PrefixIndex = index if index is not None else MemoryIndex(config.kv_capacity_tokens)
+        bind_metrics = getattr(self.index, "bind_metrics", None)
+        if bind_metrics is not None:  # backends with health to report (Redis) take the metrics
+            bind_metrics(self.metrics)
         self.loads: LoadBoard = loads if loads is not None else LocalLoadBoard(config.recent_half_life_s)
         self.chains: ChainBuilder = chains if chains is not None else EstimateChainBuilder()
         self.policy = make_policy(config.policy, config.load_factor)

@@ -35,7 +35,8 @@ class RouterConfig:
     cost_prefill_base_us: float = 20.3
     cost_prefill_ctx_ns: float = 1.01
     cost_pool_load_us: float = 2.4
-    cost_inflight_penalty_ms: float = 2.0
+    cost_inflight_penalty_ms: float = 0.3
+    cost_step_ms: float = 15.0
 
     # normalizer
     normalize_tool_schemas: bool = True
@@ -56,3 +57,34 @@ class RouterConfig:
     health_interval_s: float = 2.0
     unhealthy_after: int = 2
     scrape_metrics: bool = False
+
+    # passive health: circuit breakers and outlier ejection (router/breaker.py)
+    breaker_failures: int = 5
+    """Consecutive failures that open a worker's circuit (0: never)."""
+    breaker_open_s: float = 5.0
+    breaker_max_open_s: float = 60.0
+    outlier_interval_s: float = 10.0
+    """How often error-rate and latency outliers are judged (0: off)."""
+    outlier_min_requests: int = 20
+    outlier_error_rate: float = 0.5
+    outlier_latency_factor: float = 5.0
+    outlier_ejection_s: float = 30.0
+    outlier_max_ejected_fraction: float = 0.5
+
+    # overload (router/overload.py)
+    max_inflight_per_worker: int = 0
+    """Requests in flight to one worker before new ones wait (0: no limit)."""
+    queue_size: int = 1024
+    """Requests that may wait for a slot; beyond, 429."""
+    queue_timeout_s: float = 10.0
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take to finish."""
+
+    # security (router/auth.py)
+    api_keys: list[str] = field(default_factory=list)
+    """Client keys accepted on /v1/* (empty: no authentication)."""
+    api_keys_file: str | None = None
+    admin_token: str | None = None
+    """Token for /admin/* and /debug/* (prefer KVROUTE_ADMIN_TOKEN or the file)."""
+    admin_token_file: str | None = None

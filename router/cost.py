@@ -12,7 +12,10 @@ Llama-3-8B-shaped layers, 32 layers):
 * a pool hit is charged the host→device copy instead: 128 KiB of K and V per token
   (32 layers · 8 KV heads · 128 dims · 2 · bf16) over 55 GB/s pinned ≈ 2.4 µs/token.
 
-Another model is described with the same four numbers (`--cost-*` flags).
+Queued prefill is tracked separately (`WorkerLoad.queued_prefill_s`); the in-flight penalty
+only covers the batch steps that running decodes lengthen.
+
+Another model is described with the same five numbers (`--cost-*` flags).
 """
 
 from __future__ import annotations
@@ -28,8 +31,17 @@ class CostModel:
     """Extra seconds per prompt token for each token of context before it."""
     pool_load_s_per_token: float = 2.4e-6
     """Seconds to load one token's KV from the shared CPU pool."""
-    inflight_penalty_s: float = 2e-3
-    """TTFT added by each request already running on a worker (shared batch steps)."""
+    inflight_penalty_s: float = 0.3e-3
+    """TTFT added by each request already running on a worker. A running sequence adds its
+    KV reads to every batch step: 4k tokens × 128 KiB over the H200's 4.8 TB/s HBM ≈ 0.11 ms
+    a step, and a new request's first token waits one to a few steps."""
+
+    step_s: float = 15e-3
+    """One engine step under load (a batch-64 decode step at 4k context on the same
+    bandwidth model: ≈14 ms). Predicted TTFT differences smaller than a step are below the
+    scheduler's resolution — a request waits for the step in progress wherever it lands —
+    so cache-aware routing only moves a conversation off the worker holding most of its
+    prefix for a predicted gain of more than one step."""
 
     def prefill_s(self, start: int, end: int) -> float:
         """Seconds to prefill prompt tokens start..end given start tokens already cached."""

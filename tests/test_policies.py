@@ -90,6 +90,13 @@ def test_within_bounds_never_empty_and_caps_the_hot_worker() -> None:
     ls = loads("a", "b", **{"a": {"inflight": 9}})
     assert [w.name for w in within_bounds(ls)] == ["b"]
     assert within_bounds(loads("a")) == loads("a")
+    # A small burst is not overload: the leader must also exceed the least loaded by the slack.
+    burst = loads("a", "b", **{"a": {"inflight": 3}})
+    assert [w.name for w in within_bounds(burst)] == ["a", "b"]
+    assert [w.name for w in within_bounds(burst, abs_slack=2)] == ["b"]
+    # Sustained sequential traffic shows in the recent counts instead.
+    sequential = loads("a", "b", "c", **{"a": {"recent": 8.0}, "b": {"recent": 2.0}})
+    assert [w.name for w in within_bounds(sequential)] == ["b", "c"]
 
 
 def test_session_policy_is_sticky_and_bounded() -> None:

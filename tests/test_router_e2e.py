@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 
 import httpx
 import openai
 import pytest
 
+from loadtests.affinity import own_system, run_conversations, shared_system
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 
 MODEL = "sim-llama3-8b"
-SHARED_SYSTEM = ("You are a careful coding agent. Follow the repository's conventions. " * 90)[:6000]
 
 
 @pytest.fixture(scope="module")
@@ -23,49 +22,20 @@ def cluster():
         yield c
 
 
-async def run_conversations(url: str, system_for, n_conv: int = 20, turns: int = 4) -> tuple[float, Counter, dict]:
-    """n_conv concurrent conversations, each sending its turns one after another."""
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    served: Counter[str] = Counter()
-    sticky = [0, 0]
-    reasons: Counter[str] = Counter()
-
-    async def conversation(c: int) -> None:
-        messages = [{"role": "system", "content": system_for(c)}]
-        first = None
-        for t in range(turns):
-            messages.append({"role": "user", "content": f"Conversation {c}, turn {t}: " + "please continue the task " * 20})
-            raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
-            worker = raw.headers["x-kvroute-worker"]
-            reasons[raw.headers["x-kvroute-route-reason"]] += 1
-            served[worker] += 1
-            if first is None:
-                first = worker
-            else:
-                sticky[1] += 1
-                sticky[0] += worker == first
-            messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
-
-    await asyncio.gather(*(conversation(c) for c in range(n_conv)))
-    await client.close()
-    return sticky[0] / sticky[1], served, dict(reasons)
-
-
 def test_conversations_stay_on_their_worker_and_load_spreads(cluster) -> None:
     with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
-        affinity, served, reasons = asyncio.run(run_conversations(router.url, lambda c: f"You are agent number {c}. " * 30))
-    mean = sum(served.values()) / 3
-    assert sum(served.values()) == 80
-    assert affinity >= 0.95, (affinity, served, reasons)
-    assert max(served.values()) / mean <= 1.5, served
+        result = asyncio.run(run_conversations(router.url, own_system))
+    assert sum(result.served.values()) == 80
+    assert result.affinity >= 0.95, result
+    assert result.max_over_mean <= 1.5, result
 
 
 def test_shared_system_prompt_does_not_pile_onto_one_worker(cluster) -> None:
     with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
-        affinity, served, reasons = asyncio.run(run_conversations(router.url, lambda c: SHARED_SYSTEM))
-    assert max(served.values()) <= 0.5 * sum(served.values()), (served, reasons)
-    assert affinity >= 0.90, (affinity, served, reasons)
-    assert reasons.get("gpu_hit", 0) >= 60, reasons
+        result = asyncio.run(run_conversations(router.url, shared_system))
+    assert result.max_share <= 0.5, result
+    assert result.affinity >= 0.90, result
+    assert result.reasons.get("gpu_hit", 0) >= 60, result
 
 
 def _payloads(lines: list[str]) -> list[dict | str]:

@@ -2,9 +2,17 @@
 
 Consistent hashing with bounded loads (Mirrokni et al.) caps every worker at a factor
 above the mean; affinity is kept until a worker reaches the cap, then the request spills to
-the next choice. Two loads are capped: requests in flight (bursts) and the decayed count of
-recent requests (sustained traffic, which is invisible in flight when clients are
-sequential).
+the next choice. Two loads are capped:
+
+* requests in flight (bursts). At low totals a relative cap is tiny (with 4 requests in
+  flight over 3 workers it is 3), and spilling a conversation then only duplicates its KV
+  for no latency gain: an engine batches dozens of sequences at almost no cost each. So,
+  like SGLang's `balance_abs_threshold`, a worker also has to lead the least-loaded one by
+  more than an absolute slack before it counts as over the cap.
+* the decayed count of recent requests (sustained traffic, which is invisible in flight
+  when clients are sequential). Recent counts drift apart transiently as conversations
+  progress at different speeds, so their cap gets twice the relative headroom (1.5x the
+  mean for the default factor 1.25).
 """
 
 from __future__ import annotations
@@ -14,13 +22,22 @@ from collections.abc import Sequence
 from router.routing import WorkerLoad
 
 DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_ABS_SLACK = 4
 
 
-def within_bounds(loads: Sequence[WorkerLoad], load_factor: float = DEFAULT_LOAD_FACTOR) -> list[WorkerLoad]:
+def within_bounds(
+    loads: Sequence[WorkerLoad], load_factor: float = DEFAULT_LOAD_FACTOR, abs_slack: int = DEFAULT_ABS_SLACK
+) -> list[WorkerLoad]:
     """Workers whose load, counting the request being placed, stays under the caps."""
     n = len(loads)
     inflight_cap = load_factor * (sum(w.inflight for w in loads) + 1) / n + 1
-    recent_cap = load_factor * (sum(w.recent for w in loads) + 1) / n + 1
-    eligible = [w for w in loads if w.inflight + 1 <= inflight_cap and w.recent + 1 <= recent_cap]
+    least_inflight = min(w.inflight for w in loads)
+    recent_cap = (1 + 2 * (load_factor - 1)) * (sum(w.recent for w in loads) + 1) / n + 1
+
+    def over(w: WorkerLoad) -> bool:
+        busy = w.inflight + 1 > inflight_cap and w.inflight + 1 - least_inflight > abs_slack
+        return busy or w.recent + 1 > recent_cap
+
+    eligible = [w for w in loads if not over(w)]
     # The least-loaded worker is always under the mean, so this only trips on float edge cases.
     return eligible or [min(loads, key=lambda w: (w.inflight, w.recent))]

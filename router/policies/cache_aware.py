@@ -11,7 +11,10 @@ Hot prefixes: a system prompt shared by every session is cached on whichever wor
 it first and would make that worker the cheapest for everyone. Bounded loads cap each
 worker's share; spilled requests compute the prefix once on another worker, which then
 holds it too — the hot prefix is replicated exactly as far as load requires, while each
-conversation's own turns still follow its longer cached prefix.
+conversation's own turns still follow its longer cached prefix. A conversation leaves the
+worker holding most of its prefix only for a predicted gain of more than one engine step
+(`CostModel.step_s`): smaller differences are noise in the router's view of the queues, and
+moving duplicates the conversation's KV on a second worker.
 """
 
 from __future__ import annotations
@@ -40,14 +43,18 @@ class CacheAwarePolicy:
         pool = chain.tokens_at_depth(view.depth(POOL))
         eligible = {w.name for w in within_bounds(loads, self._load_factor)}
 
-        # (predicted ttft, recent load, name, gpu-cached tokens, reused tokens, prefill seconds)
+        gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
+        most_cached = max(gpu_of.values())
+        # (score, recent load, name, gpu-cached tokens, reused tokens, prefill seconds)
         scored = []
         for w in loads:
-            gpu = chain.tokens_at_depth(view.depth(w.name))
+            gpu = gpu_of[w.name]
             reuse = max(gpu, pool)
             prefill = cost.pool_load_s(pool - gpu) + cost.prefill_s(reuse, total)
             ttft = w.queued_prefill_s + w.inflight * cost.inflight_penalty_s + prefill
-            scored.append((ttft, w.recent, w.name, gpu, reuse, prefill))
+            # Hysteresis: leaving the worker that holds most of the prefix must win a step.
+            score = ttft + (cost.step_s if gpu < most_cached else 0.0)
+            scored.append((score, w.recent, w.name, gpu, reuse, prefill))
         scored.sort()
 
         best_unbounded = scored[0]

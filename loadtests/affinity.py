@@ -1,0 +1,107 @@
+"""Conversation affinity and load spread through a router, measured from response headers.
+
+`python -m loadtests.affinity` runs the core issue's two checks against a fresh simulated
+cluster (3 workers, 20 conversations x 4 turns, interleaved) and prints JSON: once with a
+system prompt per conversation, once with one ~6,000-character prompt shared by all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import openai
+import orjson
+
+MODEL = "sim-llama3-8b"
+SHARED_SYSTEM = ("You are a careful coding agent. Follow the repository's conventions. " * 90)[:6000]
+
+
+@dataclass
+class AffinityResult:
+    affinity: float
+    """Share of turns 2+ served by the worker that served the conversation's turn 1."""
+    served: dict[str, int]
+    reasons: dict[str, int]
+
+    @property
+    def max_over_mean(self) -> float:
+        return max(self.served.values()) / (sum(self.served.values()) / len(self.served))
+
+    @property
+    def max_share(self) -> float:
+        return max(self.served.values()) / sum(self.served.values())
+
+
+async def run_conversations(
+    urls: list[str] | str,
+    system_for: Callable[[int], str],
+    n_conv: int = 20,
+    turns: int = 4,
+    model: str = MODEL,
+    pick_url: Callable[[int, int], int] | None = None,
+) -> AffinityResult:
+    """n_conv concurrent conversations through the openai SDK, turns in order within each.
+
+    With several router URLs, `pick_url(conversation, turn)` says which one a turn goes to.
+    """
+    urls = [urls] if isinstance(urls, str) else urls
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0) for u in urls]
+    served: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    sticky = [0, 0]
+
+    async def conversation(c: int) -> None:
+        messages = [{"role": "system", "content": system_for(c)}]
+        first = None
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"Conversation {c}, turn {t}: " + "please continue the task " * 20})
+            client = clients[pick_url(c, t) if pick_url else 0]
+            raw = await client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=16)
+            worker = raw.headers["x-kvroute-worker"]
+            reasons[raw.headers["x-kvroute-route-reason"]] += 1
+            served[worker] += 1
+            if first is None:
+                first = worker
+            else:
+                sticky[1] += 1
+                sticky[0] += worker == first
+            messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+
+    await asyncio.gather(*(conversation(c) for c in range(n_conv)))
+    for client in clients:
+        await client.close()
+    return AffinityResult(sticky[0] / max(sticky[1], 1), dict(served), dict(reasons))
+
+
+def own_system(c: int) -> str:
+    return f"You are agent number {c}. " * 30
+
+
+def shared_system(_c: int) -> str:
+    return SHARED_SYSTEM
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtests.routerproc import RouterProcess
+    from loadtests.sim.cluster import SimCluster
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--workers", type=int, default=3)
+    args = p.parse_args(argv)
+    out = {}
+    for name, system_for in (("own_system_prompts", own_system), ("shared_6000_char_system_prompt", shared_system)):
+        with SimCluster(workers=args.workers, time_scale=0.02) as cluster, RouterProcess(cluster.worker_urls, policy=args.policy) as router:
+            result = asyncio.run(run_conversations(router.url, system_for))
+        out[name] = {**asdict(result), "max_over_mean": round(result.max_over_mean, 3), "max_share": round(result.max_share, 3)}
+    print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
