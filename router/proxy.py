@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -29,10 +29,12 @@ from router.chain import ChainBuilder, RequestKind
 from router.cost import CostModel
 from router.deadlines import Deadlines, Flight
 from router.errors import RouterError, sse_error_event
-from router.load import LoadBoard
+from router.load import LoadBoard, Ticket
 from router.metrics import RouterMetrics
+from router.overload import Admission
 from router.policies.base import Policy
 from router.policies.least_loaded import LeastLoadedPolicy
+from router.redact import exc_summary
 from router.requests import parse_body, validate
 from router.routing import RouteDecision, RouteRequest
 from router.workers import Fleet, Worker
@@ -106,8 +108,11 @@ class Proxy:
         chains: ChainBuilder,
         metrics: RouterMetrics,
         client: httpx.AsyncClient,
+        admission: Admission | None = None,
     ) -> None:
         self.settings = settings
+        self.admission = admission
+        """Per-worker in-flight limits and the wait queue; None: no limits."""
         self.fleet = fleet
         self.index = index
         self.loads = loads
@@ -139,12 +144,22 @@ class Proxy:
             self.metrics.client_disconnects.inc()
         except RouterError as exc:
             self.metrics.rejected.inc(exc.code)
-            await _send_whole(send, exc.status, exc.headers(), exc.body())
+            if not state.get("started"):
+                await _send_whole(send, exc.status, exc.headers(), exc.body())
         except asyncio.CancelledError:
             if not state["disconnected"]:
                 raise
             self.metrics.client_disconnects.inc()
             task.uncancel()  # type: ignore[union-attr]
+        except Exception as exc:
+            # A bug, not bad input: the client gets an OpenAI-style 500 (never a traceback),
+            # the log gets the exception type and where it was raised (never its message,
+            # which may carry a worker URL).
+            log.error("internal error on %s: %s", scope["path"], exc_summary(exc))
+            self.metrics.rejected.inc("internal_error")
+            if not state.get("started"):
+                error = RouterError(500, "Internal router error.", "internal_error")
+                await _send_whole(send, 500, error.headers(), error.body())
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -184,6 +199,12 @@ class Proxy:
         """Everything between a parsed body and a worker: the part `/debug/route` explains."""
         candidates = self._candidates(model)
         loads = self.loads.snapshot([w.name for w in candidates])
+        if self.fleet.scrape_metrics:
+            # The engines' own queues also count requests of other routers sharing them.
+            loads = [
+                replace(load, engine_waiting=int(w.metrics.get("vllm:num_requests_waiting", 0)))
+                for load, w in zip(loads, candidates, strict=True)
+            ]
         if kind is None:
             return _EMBEDDINGS_POLICY.choose(RouteRequest(_EMPTY_CHAIN), EMPTY_VIEW, loads, self.cost), _EMPTY_CHAIN
         chain = self.chains.build(body, kind)

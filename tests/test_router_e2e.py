@@ -130,3 +130,28 @@ def test_only_workers_serving_the_model_are_candidates() -> None:
             for _ in range(4):
                 r = httpx.post(router.url + "/v1/chat/completions", json={"model": "model-b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
                 assert r.status_code == 200 and r.headers["x-kvroute-worker"] == "b0"
+
+
+def test_scraped_engine_queue_steers_least_loaded() -> None:
+    """Load that reaches a worker around the router shows up through its /metrics."""
+    with SimCluster(workers=2, time_scale=1.0) as c:
+        args = ["--scrape-metrics", "--health-interval-s", "0.2"]
+        with RouterProcess(c.worker_urls, policy="least_loaded", extra_args=args) as router:
+            busy = c.worker_urls["w0"]
+
+            async def flood() -> list[str]:
+                async with httpx.AsyncClient(timeout=60) as client:
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": "long " * 30_000}], "max_tokens": 1}
+                    tasks = [asyncio.create_task(client.post(busy + "/v1/chat/completions", json=body)) for _ in range(12)]
+                    await asyncio.sleep(0.6)  # a few health rounds see w0's waiting queue
+                    picks = []
+                    for _ in range(4):
+                        r = await client.post(router.url + "/v1/chat/completions",
+                                              json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                        picks.append(r.headers["x-kvroute-worker"])
+                    for t in tasks:
+                        t.cancel()
+                    return picks
+
+            picks = asyncio.run(flood())
+    assert picks == ["w1"] * 4
