@@ -10,8 +10,9 @@ from normalizer.prefix import PrefixKey
 
 _NOBODY: frozenset[str] = frozenset()
 
-DEFAULT_CAPACITY_TOKENS = 2_000_000
-"""Used for locations with no configured capacity (about one H200's KV for an 8B model)."""
+DEFAULT_CAPACITY_TOKENS = 840_000
+"""Used for locations with no configured capacity: one H200's KV for Llama-3-8B at 0.85
+memory utilisation ((0.85 × 141 GB − 16 GB weights) ÷ 128 KiB a token)."""
 
 
 class _Location:

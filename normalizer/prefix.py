@@ -95,7 +95,8 @@ def completion_segments(body: dict[str, Any]) -> list[bytes]:
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt):
             # Token ids: one id is one token; pack them so that chunk sizes still count tokens.
-            data = b"".join(t.to_bytes(CHARS_PER_TOKEN, "little", signed=True) for t in prompt)
+            # Masked to 32 bits: vocabularies fit, and negative ids keep their two's-complement bytes.
+            data = b"".join((t & 0xFFFFFFFF).to_bytes(CHARS_PER_TOKEN, "little") for t in prompt)
         else:
             data = b"\x00".join(_text_of(p) for p in prompt)
     else:

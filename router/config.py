@@ -25,7 +25,7 @@ class RouterConfig:
     """Index entries not used for this long expire (Redis backend)."""
     redis_lookup_budget_ms: float = 5.0
     """Longest a lookup waits for Redis before routing on the replica's local view."""
-    kv_capacity_tokens: int = 2_000_000
+    kv_capacity_tokens: int = 840_000
     pool_capacity_tokens: int = 0
     """>0: the workers share an LMCache CPU pool of this many tokens."""
 

@@ -82,3 +82,8 @@ def test_completion_token_ids() -> None:
     chain = prefix_chain("m", completion_segments({"prompt": list(range(200))}))
     assert chain.total_tokens == 200
     assert len(chain.keys) == 1 + 4  # head + ceil(200 / 64)
+
+
+def test_completion_token_ids_beyond_int32() -> None:
+    big = prefix_chain("m", completion_segments({"prompt": [2**31 + 5, 2**32 - 1, 7]}))
+    assert big.total_tokens == 3

@@ -1,0 +1,239 @@
+"""The simulated shared KV pool (LMCache's CPU backend, shared by every worker).
+
+Semantics kept from LMCache: KV is stored in chunks of 256 tokens, each keyed by a hash
+chained over the chunks before it (so a key stands for a whole prefix), only full chunks
+are stored, and the store is an LRU bounded by capacity. A worker asks for the longest run
+of leading chunks present (`/lookup`), loads them instead of recomputing, and stores every
+chunk it computes (`/store`) off its critical path.
+
+`kvroute sim-pool --port P --capacity-tokens N` serves:
+  POST /lookup {"keys": [k0, k1, ...]}  -> {"hits": n}   n leading keys present (touched)
+  POST /store  {"keys": [...]}          -> {"stored": n} n keys newly inserted
+  POST /clear                           -> {"cleared": n}
+  GET  /stats, GET /health, GET /metrics
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from loadtests.sim.engine import chain_hashes
+from normalizer.tokens import CHARS_PER_TOKEN
+
+CHUNK_TOKENS = 256
+DEFAULT_CAPACITY_TOKENS = 20_000_000
+"""About 2.6 TB of host RAM at the 8B model's 128 KiB per token: a large CPU pool."""
+
+
+def chunk_keys(data: bytes, seed: str) -> list[int]:
+    """Pool keys of the full 256-token chunks of a prompt (`seed`: the model name)."""
+    return chain_hashes(data, CHUNK_TOKENS * CHARS_PER_TOKEN, seed.encode())
+
+
+class ChunkStore:
+    """An LRU of chunk keys bounded by capacity (pure; the HTTP layer wraps it)."""
+
+    def __init__(self, capacity_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.capacity_chunks = max(capacity_tokens // chunk_tokens, 1)
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.lookups = 0
+        self.lookup_chunks = 0
+        self.hit_chunks = 0
+        self.stores = 0
+        self.evictions = 0
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        """Leading keys present; they become most recently used (the worker loads them)."""
+        self.lookups += 1
+        self.lookup_chunks += len(keys)
+        n = 0
+        for key in keys:
+            if key not in self.lru:
+                break
+            n += 1
+        # Touch the run tail first so that the head (shared by more prompts) is newest.
+        for key in reversed(keys[:n]):
+            self.lru.move_to_end(key)
+        self.hit_chunks += n
+        return n
+
+    def store(self, keys: Sequence[int]) -> int:
+        new = 0
+        for key in reversed(keys):
+            if key in self.lru:
+                self.lru.move_to_end(key)
+            else:
+                self.lru[key] = None
+                new += 1
+        self.stores += new
+        while len(self.lru) > self.capacity_chunks:
+            self.lru.popitem(last=False)
+            self.evictions += 1
+        return new
+
+    def clear(self) -> int:
+        n = len(self.lru)
+        self.lru.clear()
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "chunk_tokens": self.chunk_tokens,
+            "capacity_chunks": self.capacity_chunks,
+            "chunks": len(self.lru),
+            "tokens": len(self.lru) * self.chunk_tokens,
+            "lookups": self.lookups,
+            "lookup_chunks": self.lookup_chunks,
+            "hit_chunks": self.hit_chunks,
+            "stored_chunks": self.stores,
+            "evicted_chunks": self.evictions,
+        }
+
+
+def _keys_of(body: bytes) -> list[int]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ValueError("body is not JSON") from None
+    keys = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(keys, list) or not all(isinstance(k, int) for k in keys):
+        raise ValueError('expected {"keys": [int, ...]}')
+    return keys
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def build_pool_app(store: ChunkStore) -> Starlette:
+    async def lookup(request: Request) -> Response:
+        try:
+            keys = _keys_of(await request.body())
+        except ValueError as exc:
+            return _json({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, 400)
+        return _json({"hits": store.lookup(keys)})
+
+    async def store_(request: Request) -> Response:
+        try:
+            keys = _keys_of(await request.body())
+        except ValueError as exc:
+            return _json({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, 400)
+        return _json({"stored": store.store(keys)})
+
+    async def clear(request: Request) -> Response:
+        return _json({"cleared": store.clear()})
+
+    async def stats(request: Request) -> Response:
+        return _json(store.stats())
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        s = store.stats()
+        lines = [
+            "# TYPE lmcache:local_cache_usage_chunks gauge",
+            f"lmcache:local_cache_usage_chunks {s['chunks']}",
+            "# TYPE lmcache:num_lookup_chunks_total counter",
+            f"lmcache:num_lookup_chunks_total {s['lookup_chunks']}",
+            "# TYPE lmcache:num_hit_chunks_total counter",
+            f"lmcache:num_hit_chunks_total {s['hit_chunks']}",
+            "# TYPE lmcache:num_stored_chunks_total counter",
+            f"lmcache:num_stored_chunks_total {s['stored_chunks']}",
+            "# TYPE lmcache:num_evicted_chunks_total counter",
+            f"lmcache:num_evicted_chunks_total {s['evicted_chunks']}",
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return Starlette(
+        routes=[
+            Route("/lookup", lookup, methods=["POST"]),
+            Route("/store", store_, methods=["POST"]),
+            Route("/clear", clear, methods=["POST"]),
+            Route("/stats", stats, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ]
+    )
+
+
+class PoolClient:
+    """A worker's connection to the pool: lookups inline, stores batched in the background."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False)
+        self._pending: list[int] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self.errors = 0
+
+    async def lookup(self, keys: list[int]) -> int:
+        """Leading keys the pool holds; 0 if the pool is unreachable (recompute instead)."""
+        if not keys:
+            return 0
+        try:
+            r = await self._client.post("/lookup", content=orjson.dumps({"keys": keys}))
+            r.raise_for_status()
+            return int(r.json()["hits"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            self.errors += 1
+            return 0
+
+    def store(self, keys: list[int]) -> None:
+        self._pending.extend(keys)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._pending:
+            keys, self._pending = self._pending, []
+            try:
+                r = await self._client.post("/store", content=orjson.dumps({"keys": keys}))
+                r.raise_for_status()
+            except httpx.HTTPError:
+                self.errors += 1
+
+    async def drain(self) -> None:
+        """Until every store issued so far has reached the pool."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        await self._client.aclose()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvroute sim-pool", description="simulated shared LMCache CPU pool")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS)
+    return p.parse_args(argv)
+
+
+def cli(argv: list[str]) -> int:
+    from loadtests.sim.serving import QuietServer, run_servers, server_for
+
+    args = parse_args(argv)
+
+    async def build() -> tuple[list[QuietServer], None]:
+        app = build_pool_app(ChunkStore(args.capacity_tokens))
+        return [server_for(app, args.host, args.port)], None
+
+    return run_servers(build, on_ready=lambda: print("READY", flush=True))

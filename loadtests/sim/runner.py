@@ -1,0 +1,199 @@
+"""Drives a pure `Engine` in real time: one asyncio task runs its steps back to back.
+
+Time: every duration the engine reports is simulated; the runner sleeps simulated × scale.
+Steps are scheduled against deadlines (the end of step k is the start of step k+1), so the
+Python overhead between steps is absorbed instead of accumulating; only when the process
+falls far behind (CPU starved) does it re-anchor. The simulated clock advances exactly by
+step durations while busy and follows the wall clock while idle, so the figures reported in
+/metrics (simulated seconds) do not include this process's overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loadtests.sim.engine import Engine, KVEvent, Scheduled, Seq, State, TokenOut
+from loadtests.sim.metrics import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
+
+MAX_LAG_S = 0.05
+"""Real seconds behind schedule after which the runner stops trying to catch up."""
+
+
+@dataclass(eq=False)
+class Handle:
+    """A request's view of its progress, updated by the runner after every step."""
+
+    seq: Seq
+    produced: int = 0
+    finished: bool = False
+    aborted: bool = False
+    _event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait(self) -> None:
+        """Until new tokens arrived (or the request ended)."""
+        await self._event.wait()
+        self._event.clear()
+
+    def _notify(self) -> None:
+        self._event.set()
+
+
+class Runner:
+    def __init__(
+        self,
+        engine: Engine,
+        time_scale: float = 1.0,
+        on_events: Callable[[list[KVEvent], float], None] | None = None,
+        on_pool_store: Callable[[Seq, int, int], None] | None = None,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time scale must be positive")
+        self.engine = engine
+        self.time_scale = time_scale
+        self.slow_factor = 1.0
+        self.on_events = on_events
+        self.on_pool_store = on_pool_store
+        self.handles: dict[str, Handle] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.queue_time = Histogram(LATENCY_BUCKETS)
+        self.abort_delays: deque[float] = deque(maxlen=32)
+        self.client_aborts = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._anchor_real = self._loop.time()
+        self._anchor_sim = 0.0
+        self._step_end_sim: float | None = None
+        self._idle = True
+        self._wake_sim: float | None = None
+        """Simulated arrival of the first request since the engine went idle."""
+
+    # -- clock ---------------------------------------------------------------------------
+
+    def sim_now(self) -> float:
+        """Simulated seconds since start; never beyond the end of the step in flight."""
+        t = self._anchor_sim + (self._loop.time() - self._anchor_real) / self.time_scale
+        if self._step_end_sim is not None:
+            t = min(t, self._step_end_sim)
+        return max(t, self._anchor_sim)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def submit(self, seq: Seq) -> Handle:
+        seq.arrival = self.sim_now()
+        if self._idle and self._wake_sim is None:
+            self._wake_sim = seq.arrival
+        handle = Handle(seq)
+        self.engine.add(seq)
+        self.handles[seq.id] = handle
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: Handle, client_gone_at: float | None = None) -> bool:
+        """Stop a request (client gone, or its handler failed). Idempotent."""
+        self.handles.pop(handle.seq.id, None)
+        if handle.finished or handle.aborted:
+            return False
+        handle.aborted = True
+        aborted = self.engine.abort(handle.seq.id)
+        if client_gone_at is not None:
+            self.client_aborts += 1
+            self.abort_delays.append(self._loop.time() - client_gone_at)
+        handle._notify()
+        self._wake.set()  # freed blocks may let a stuck waiting request in
+        return aborted
+
+    # -- the step loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = self._loop
+        while True:
+            if not self.engine.has_work():
+                await self._wait_for_work()
+                continue
+            now = loop.time()
+            if self._idle:
+                # A busy period starts at the arrival that ended the idle time: the real
+                # latency of waking this task up is not simulated time.
+                start = self._wake_sim if self._wake_sim is not None else self.sim_now()
+                self._anchor_sim, self._anchor_real = max(start, self._anchor_sim), now
+                self._idle, self._wake_sim = False, None
+            elif now - self._anchor_real > MAX_LAG_S:
+                # Far behind schedule (CPU starved): give up catching up, without counting
+                # the lag as simulated time.
+                self._anchor_real = now
+            step = self.engine.schedule()
+            if step is None:
+                # Nothing fits until something finishes or is aborted.
+                await self._wait_for_work()
+                continue
+            duration = step.duration * self.slow_factor
+            self._step_end_sim = self._anchor_sim + duration
+            deadline = self._anchor_real + duration * self.time_scale
+            try:
+                await asyncio.sleep(max(deadline - loop.time(), 0.0))
+            except asyncio.CancelledError:
+                self._step_end_sim = None
+                raise
+            self._anchor_sim, self._anchor_real = self._step_end_sim, deadline
+            self._step_end_sim = None
+            outs = self.engine.complete(step, self._anchor_sim)
+            self._dispatch(outs)
+            self._after_step(step.items)
+
+    async def _wait_for_work(self) -> None:
+        self._idle = True
+        self._wake_sim = None
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _dispatch(self, outs: list[TokenOut]) -> None:
+        for out in outs:
+            handle = self.handles.get(out.seq.id)
+            if handle is None:
+                continue
+            handle.produced = out.index + 1
+            seq = out.seq
+            if out.index == 0 and seq.first_token_at is not None:
+                self.ttft.observe(seq.first_token_at - seq.arrival)
+                if seq.scheduled_at is not None:
+                    self.queue_time.observe(seq.scheduled_at - seq.arrival)
+            if out.finished:
+                handle.finished = True
+                self.handles.pop(seq.id, None)
+                self.e2e.observe(self._anchor_sim - seq.arrival)
+            handle._notify()
+
+    def _after_step(self, items: list[Scheduled]) -> None:
+        if self.on_pool_store is not None:
+            for item in items:
+                seq = item.seq
+                if seq.state is State.ABORTED:
+                    continue
+                first, end = self.engine.pool_chunks_to_store(seq)
+                if end > first:
+                    self.on_pool_store(seq, first, end)
+        self.flush_events()
+
+    def flush_events(self) -> None:
+        """Publish the engine's pending KV events (after a step, or an out-of-band change)."""
+        if self.on_events is not None:
+            events = self.engine.drain_events()
+            if events:
+                self.on_events(events, self._anchor_sim)
