@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,17 +25,26 @@ from cache_client.base import PrefixIndex
 from cache_client.memory import MemoryIndex
 from normalizer.canonical import NormalizeOptions
 from router import __version__
+from router.admin import register_admin
+from router.auth import KeyCheck, resolve_admin_token, resolve_api_keys, unauthorized
+from router.breaker import CLOSED, BreakerSettings, OutlierDetector, OutlierSettings
 from router.chain import ChainBuilder, EstimateChainBuilder
 from router.config import RouterConfig
 from router.cost import CostModel
-from router.errors import error_body
+from router.errors import RouterError, error_body
 from router.load import LoadBoard, LocalLoadBoard
-from router.metrics import RouterMetrics
+from router.looplag import LoopLagMonitor
+from router.metrics import CallbackGauge, RouterMetrics
+from router.overload import Admission
 from router.policies import make_policy
 from router.proxy import PROXIED_PATHS, Proxy, ProxySettings
+from router.redact import exc_summary
+from router.upstream import make_upstream_client
 from router.workers import Fleet
 
 log = logging.getLogger("kvroute")
+
+OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 
 
 def _json(status: int, content: Any, headers: dict[str, str] | None = None) -> Response:
@@ -94,7 +104,33 @@ class KvrouteApp:
         self.policy = make_policy(config.policy, config.load_factor)
         self.proxy: Proxy | None = None
         self.fleet: Fleet | None = None
+        keys = resolve_api_keys(config.api_keys, config.api_keys_file)
+        self.api_keys: KeyCheck | None = KeyCheck(keys) if keys else None
+        """Checked for every /v1/* request; None: no client authentication."""
+        admin_token = resolve_admin_token(config.admin_token, config.admin_token_file)
+        self.admin_token: KeyCheck | None = KeyCheck([admin_token]) if admin_token else None
+        self.admission: Admission | None = (
+            Admission(config.max_inflight_per_worker, config.queue_size, config.queue_timeout_s, config.retry_after_s)
+            if config.max_inflight_per_worker > 0
+            else None
+        )
+        self.outliers: OutlierDetector | None = None
+        self.loop_lag = LoopLagMonitor()
+        self._register_reliability_metrics()
         self.api = self._build_api()
+
+    def _register_reliability_metrics(self) -> None:
+        registry = self.metrics.registry
+        self.loop_lag.register(registry)
+        self.circuit_open = registry.gauge(
+            "kvroute_worker_circuit_open", "1 while the worker's circuit breaker is open or half-open.", ("worker",)
+        )
+        registry.register(
+            CallbackGauge(
+                "kvroute_queue_depth", "Requests waiting for a worker slot (--max-inflight-per-worker).", (),
+                lambda: {(): float(self.admission.queued if self.admission is not None else 0)},
+            )
+        )
 
     # -- lifespan -----------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -121,12 +157,32 @@ class KvrouteApp:
             unhealthy_after=c.unhealthy_after,
             scrape_metrics=c.scrape_metrics,
             on_down=self.index.drop_location,
+            breaker=BreakerSettings(c.breaker_failures, c.breaker_open_s, c.breaker_max_open_s),
         )
+        # Forwarding has its own client: httpx (above, for health checks) costs O(open
+        # connections) per request, the raw client O(1) (docs/performance.md).
+        upstream = make_upstream_client(connect_timeout_s=c.connect_timeout_s, max_connections=c.max_connections)
         self.proxy = Proxy(
             proxy_settings(c), self.fleet, self.index, self.loads, self.policy,
-            cost_model(c), self.chains, self.metrics, client,
+            cost_model(c), self.chains, self.metrics, upstream, admission=self.admission,
         )
         await self.fleet.start()
+        start_chains = getattr(self.chains, "start", None)
+        if start_chains is not None:  # precise mode: KV-event ingestion (router/precise.py)
+            await start_chains(self)
+        self.outliers = OutlierDetector(
+            lambda: self.fleet or (),
+            OutlierSettings(
+                interval_s=c.outlier_interval_s,
+                min_requests=c.outlier_min_requests,
+                error_rate=c.outlier_error_rate,
+                latency_factor=c.outlier_latency_factor,
+                ejection_s=c.outlier_ejection_s,
+                max_ejected_fraction=c.outlier_max_ejected_fraction,
+            ),
+        )
+        self.outliers.start()
+        self.loop_lag.start()
         discoveries = []
         for target in c.discover:
             from router.discovery import start_discovery
@@ -138,14 +194,25 @@ class KvrouteApp:
         finally:
             for discovery in discoveries:
                 await discovery.stop()
+            stop_chains = getattr(self.chains, "stop", None)
+            if stop_chains is not None:
+                await stop_chains()
+            await self.outliers.stop()
+            await self.loop_lag.stop()
             await self.fleet.stop()
             await self.proxy.close()
             await self.index.close()
+            await upstream.aclose()
             await client.aclose()
 
     # -- endpoints ----------------------------------------------------------------------
     def _build_api(self) -> FastAPI:
-        api = FastAPI(title="kvroute", version=__version__, lifespan=self.lifespan, docs_url=None, redoc_url=None)
+        # The generated schema would not describe the proxied endpoints (they bypass FastAPI);
+        # router/openapi.json is written by hand and served instead.
+        api = FastAPI(
+            title="kvroute", version=__version__, lifespan=self.lifespan, docs_url=None, redoc_url=None,
+            openapi_url=None,
+        )
 
         async def proxied(scope, receive, send) -> None:
             assert self.proxy is not None
@@ -163,10 +230,25 @@ class KvrouteApp:
         async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
             return _error(400, "Invalid request parameters.", "invalid_request")
 
+        @api.exception_handler(RouterError)
+        async def router_error(_request: Request, exc: RouterError) -> Response:
+            headers = {k.decode(): v.decode() for k, v in exc.headers()}
+            if exc.status == 401:
+                headers["www-authenticate"] = "Bearer"
+            return Response(exc.body(), status_code=exc.status, headers=headers)
+
         @api.exception_handler(Exception)
         async def internal_error(_request: Request, exc: Exception) -> Response:
-            log.error("internal error: %s", type(exc).__name__, exc_info=exc)
+            log.error("internal error: %s", exc_summary(exc))
             return _error(500, "Internal router error.", "internal_error")
+
+        openapi = OPENAPI_PATH.read_bytes()
+
+        @api.get("/openapi.json")
+        async def openapi_json() -> Response:
+            return Response(openapi, media_type="application/json")
+
+        register_admin(api, self, self.admin_token)
 
         @api.get("/health")
         async def health() -> Response:
@@ -197,11 +279,22 @@ class KvrouteApp:
         # Rebuilt each scrape so that removed workers disappear from the series.
         self.metrics.worker_healthy.values.clear()
         self.metrics.worker_inflight.values.clear()
+        self.circuit_open.values.clear()
         for w in self.fleet:
             self.metrics.worker_healthy.set(w.name, value=1.0 if w.healthy else 0.0)
             self.metrics.worker_inflight.set(w.name, value=float(self.loads.inflight(w.name)))
+            w.breaker.admits()  # an open circuit whose time is up reads as half-open
+            self.circuit_open.set(w.name, value=0.0 if w.breaker.state is CLOSED else 1.0)
 
     async def __call__(self, scope, receive, send) -> None:
+        if (
+            self.api_keys is not None
+            and scope["type"] == "http"
+            and scope["path"].startswith("/v1/")
+            and not self.api_keys.accepts_headers(scope["headers"])
+        ):
+            await _unauthorized(send)
+            return
         if (
             scope["type"] == "http"
             and scope["method"] == "POST"
@@ -210,7 +303,18 @@ class KvrouteApp:
         ):
             await self.proxy(scope, receive, send)
             return
-        await self.api(scope, receive, send)
+        # Starlette re-raises after its 500 handler has answered, for the server to log with
+        # a traceback; internal_error has logged a redacted line already.
+        with contextlib.suppress(Exception):
+            await self.api(scope, receive, send)
+
+
+async def _unauthorized(send) -> None:
+    error = unauthorized()
+    body = error.body()
+    headers = [*error.headers(), (b"www-authenticate", b"Bearer"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def build_app(config: RouterConfig, **components: Any) -> KvrouteApp:

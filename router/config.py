@@ -80,6 +80,10 @@ class RouterConfig:
     retry_after_s: int = 1
     shutdown_grace_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
+    keep_alive_s: int = 75
+    """Idle client connections are kept this long. Longer than clients and load balancers
+    keep theirs (httpx 5 s, nginx 60 s), so that the router never closes a connection at
+    the moment a client sends a request on it (the client sees a failure without a byte)."""
 
     # security (router/auth.py)
     api_keys: list[str] = field(default_factory=list)

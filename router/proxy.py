@@ -14,17 +14,18 @@ which closes the upstream request so the engine aborts it and frees its KV block
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import httpx
 import orjson
 
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from normalizer.canonical import NormalizeOptions, canonicalize_body
 from normalizer.prefix import PrefixChain
+from router.breaker import CLOSED
 from router.chain import ChainBuilder, RequestKind
 from router.cost import CostModel
 from router.deadlines import Deadlines, Flight
@@ -37,6 +38,7 @@ from router.policies.least_loaded import LeastLoadedPolicy
 from router.redact import exc_summary
 from router.requests import parse_body, validate
 from router.routing import RouteDecision, RouteRequest
+from router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 from router.workers import Fleet, Worker
 
 log = logging.getLogger("kvroute.proxy")
@@ -47,7 +49,7 @@ PROXIED_PATHS: dict[str, RequestKind | None] = {
     "/v1/embeddings": None,
 }
 
-# Never forwarded upstream: hop-by-hop headers (RFC 9110 §7.6.1), what httpx sets itself,
+# Never forwarded upstream: hop-by-hop headers (RFC 9110 §7.6.1), what the client sets itself,
 # and the client's credentials (workers get their own, see WorkerSpec.api_key).
 _DROP_REQUEST_HEADERS = frozenset(
     {
@@ -107,7 +109,7 @@ class Proxy:
         cost: CostModel,
         chains: ChainBuilder,
         metrics: RouterMetrics,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         admission: Admission | None = None,
     ) -> None:
         self.settings = settings
@@ -128,13 +130,16 @@ class Proxy:
         started = time.perf_counter()
         task = asyncio.current_task()
         watcher: asyncio.Task | None = None
-        state = {"finished": False, "disconnected": False}
+        state = {"finished": False, "disconnected": False, "started": False}
         try:
             raw = await self._read_body(scope, receive)
 
             async def watch() -> None:
-                message = await receive()
-                if message["type"] == "http.disconnect" and not state["finished"]:
+                # Loops because a server may hand over an empty body message first; only a
+                # disconnect ends the watch.
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                if not state["finished"]:
                     state["disconnected"] = True
                     task.cancel()  # type: ignore[union-attr]
 
@@ -147,9 +152,17 @@ class Proxy:
             if not state.get("started"):
                 await _send_whole(send, exc.status, exc.headers(), exc.body())
         except asyncio.CancelledError:
-            if not state["disconnected"]:
-                raise
-            self.metrics.client_disconnects.inc()
+            if state["disconnected"]:
+                self.metrics.client_disconnects.inc()
+            else:
+                # Cancelled by the server itself: the graceful-shutdown grace period ran out.
+                # Answer what can still be answered instead of letting the server log a
+                # traceback for every request still in flight.
+                log.warning("request on %s cancelled: the router is shutting down", scope["path"])
+                if not state["started"]:
+                    error = RouterError(503, "The router is shutting down; retry.", "shutting_down", retry_after=1)
+                    with contextlib.suppress(Exception):
+                        await _send_whole(send, 503, error.headers(), error.body())
             task.uncancel()  # type: ignore[union-attr]
         except Exception as exc:
             # A bug, not bad input: the client gets an OpenAI-style 500 (never a traceback),
@@ -221,43 +234,111 @@ class Proxy:
         kind = PROXIED_PATHS[scope["path"]]
         body = parse_body(raw)
         model = validate(body, kind)
-        if kind is not None:
-            body = canonicalize_body(body, self.settings.normalize)
+        try:
+            if kind is not None:
+                body = canonicalize_body(body, self.settings.normalize)
+            payload = orjson.dumps(body)
+        except (orjson.JSONEncodeError, RecursionError):
+            # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.
+            raise RouterError(400, "The request body is nested too deeply.", "invalid_body") from None
         session_key = _header(scope, b"x-session-id") or body.get("user")
-        decision, chain = await self.decide(body, kind, model, session_key)
-        self.metrics.route_seconds.observe(time.perf_counter() - started)
-        if kind is not None:
-            self.metrics.prompt_tokens.inc(amount=chain.total_tokens)
-            self.metrics.predicted_cached.inc(amount=decision.cached_tokens)
-
-        payload = orjson.dumps(body)
         headers = self._upstream_headers(scope)
         stream = body.get("stream") is True
-        order = [decision.worker, *decision.ranking][: self.settings.max_attempts]
+        admission = self.admission
+        max_attempts = self.settings.max_attempts
+        loop = asyncio.get_running_loop()
+        deadline = 0.0
+        turn = False
+        """Holds a slot handed over by the admission queue, until it takes a ticket."""
+        attempts = 0
+        tried: set[str] = set()
         last_error = "no worker tried"
-        for attempt, name in enumerate(order):
-            worker = self.fleet.get(name)
-            if worker is None or not worker.serving:
-                continue
-            reason = decision.reason if attempt == 0 else "retry"
-            prefill_s = decision.prefill_s if attempt == 0 else self.cost.prefill_s(0, chain.total_tokens)
-            if self.chains.records_on_route and chain.keys:
-                await self._record(name, chain)
-            try:
-                await self._forward(
-                    scope, worker, reason, payload, headers, stream, prefill_s, started, send, state
-                )
-                return
-            except _UpstreamFailed as exc:
-                last_error = exc.why
-                self.metrics.requests.inc(name, reason, "error")
-                if exc.passive_down:
-                    await self.fleet.mark_failed(name)
-                if attempt + 1 < len(order):
-                    self.metrics.retries.inc()
-                log.warning("worker %s failed before the first byte (%s); %s", name, exc.why,
-                            "retrying" if attempt + 1 < len(order) else "giving up")
+        observed = False
+        try:
+            if admission is not None and admission.busy():
+                deadline = loop.time() + admission.queue_timeout_s
+                await admission.wait(deadline)
+                turn = True
+            while True:
+                decision, chain = await self.decide(body, kind, model, session_key)
+                if not observed:
+                    observed = True
+                    self.metrics.route_seconds.observe(time.perf_counter() - started)
+                    if kind is not None:
+                        self.metrics.prompt_tokens.inc(amount=chain.total_tokens)
+                        self.metrics.predicted_cached.inc(amount=decision.cached_tokens)
+                full = False
+                for name in (decision.worker, *decision.ranking):
+                    if attempts >= max_attempts:
+                        break
+                    if state["disconnected"]:
+                        # The client left while a timeout was being handled (both cancelled
+                        # this task, one cancellation was consumed): no retry for nobody.
+                        raise _Disconnected()
+                    worker = self.fleet.get(name)
+                    if worker is None or name in tried or not worker.serving:
+                        continue
+                    if admission is not None and not admission.has_room(self.loads.inflight(name)):
+                        full = True
+                        continue
+                    if not worker.breaker.begin():
+                        continue
+                    probing = worker.breaker.state is not CLOSED
+                    if name == decision.worker:
+                        reason, prefill_s = decision.reason, decision.prefill_s
+                    else:
+                        reason = "retry" if attempts else "overload"
+                        prefill_s = self.cost.prefill_s(0, chain.total_tokens)
+                    ticket = self.loads.acquire(name, prefill_s)
+                    if turn:
+                        admission.end_turn()  # type: ignore[union-attr]
+                        turn = False
+                    attempts += 1
+                    tried.add(name)
+                    try:
+                        if self.chains.records_on_route and chain.keys:
+                            await self._record(name, chain)
+                        await self._forward(
+                            scope, worker, reason, payload, headers, stream, ticket, started, send, state
+                        )
+                        return
+                    except _UpstreamFailed as exc:
+                        last_error = exc.why
+                        worker.breaker.failure(exc.why)
+                        self.metrics.requests.inc(name, reason, "error")
+                        if exc.passive_down:
+                            await self.fleet.mark_failed(name)
+                        if attempts < max_attempts:
+                            self.metrics.retries.inc()
+                        log.warning("worker %s failed before the first byte (%s); %s", name, exc.why,
+                                    "retrying" if attempts < max_attempts else "giving up")
+                    except BaseException:
+                        if probing:
+                            worker.breaker.abandon()
+                        raise
+                    finally:
+                        self.loads.release(ticket)
+                        if admission is not None:
+                            admission.released()
+                if not full or admission is None or attempts >= max_attempts:
+                    break
+                # Every worker we could still try is at its in-flight limit: wait for a slot.
+                if not deadline:
+                    deadline = loop.time() + admission.queue_timeout_s
+                requeue, turn = turn, False
+                await admission.wait(deadline, requeue=requeue, pass_on=requeue and self._room_anywhere())
+                turn = True
+        finally:
+            if turn:
+                admission.end_turn()  # type: ignore[union-attr]
         raise RouterError(502, f"The request failed on every worker tried ({last_error}).", "upstream_unavailable")
+
+    def _room_anywhere(self) -> bool:
+        """Some serving worker has a free slot (that this request could not use)."""
+        admission = self.admission
+        return admission is not None and any(
+            w.serving and admission.has_room(self.loads.inflight(w.name)) for w in self.fleet
+        )
 
     async def _record(self, worker: str, chain: PrefixChain) -> None:
         key_tokens = key_tokens_of(chain.cum_tokens)
@@ -281,82 +362,105 @@ class Proxy:
         payload: bytes,
         headers: list[tuple[bytes, bytes]],
         stream: bool,
-        prefill_s: float,
+        ticket: Ticket,
         started: float,
         send,
         state: dict,
     ) -> None:
         s = self.settings
-        ticket = self.loads.acquire(worker.name, prefill_s)
+        loop = asyncio.get_running_loop()
+        attempt_started = loop.time()
         flight = self.deadlines.track(s.first_byte_timeout_s if stream else (s.total_timeout_s or s.first_byte_timeout_s), s.total_timeout_s)
-        upstream: httpx.Response | None = None
+        upstream: UpstreamResponse | None = None
         try:
             request_headers = list(headers)
             if worker.api_key and not s.forward_client_auth:
                 request_headers.append((b"authorization", b"Bearer " + worker.api_key.encode()))
-            request = self.client.build_request("POST", worker.url + scope["path"], content=payload, headers=request_headers)
             try:
-                upstream = await self.client.send(request, stream=True)
-                if upstream.status_code in _RETRYABLE_STATUS:
-                    await upstream.aread()
-                    raise _UpstreamFailed(f"worker answered {upstream.status_code}", passive_down=False)
-                chunks = upstream.aiter_raw()
-                if stream and upstream.status_code == 200:
+                upstream = await self.client.post(worker.url, scope["path"], request_headers, payload)
+                if upstream.status in _RETRYABLE_STATUS:
+                    await upstream.read()
+                    raise _UpstreamFailed(f"worker answered {upstream.status}", passive_down=False)
+                chunks = upstream.chunks()
+                if stream and upstream.status == 200:
                     first = await anext(chunks, b"")
                 else:
-                    first = await upstream.aread()
+                    first = await upstream.read()
             except asyncio.CancelledError:
                 if flight.expired is None:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise _UpstreamFailed("no first byte before the timeout", passive_down=False) from None
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                raise _UpstreamFailed(type(exc).__name__, passive_down=True) from None
-            except httpx.HTTPError as exc:
-                raise _UpstreamFailed(type(exc).__name__, passive_down=False) from None
+            except UpstreamConnectError as exc:
+                raise _UpstreamFailed(str(exc), passive_down=True) from None
+            except UpstreamError as exc:
+                raise _UpstreamFailed(str(exc), passive_down=False) from None
 
+            status = upstream.status
+            relay = stream and status == 200
+            # No await since the first byte arrived, so the deadline sweeper cannot have fired
+            # in between: move the deadline on (stream) or drop it (whole answer in hand) now,
+            # before the sends below can be cancelled by a first-byte deadline that passed.
+            if relay:
+                flight.extend(loop.time() + s.idle_timeout_s)
+            else:
+                self.deadlines.done(flight)
             self.loads.first_byte(ticket)
+            worker.breaker.success(loop.time() - attempt_started if relay else None)
             self.fleet.mark_ok(worker.name)
-            status = upstream.status_code
-            if stream and status == 200:
+            if relay:
                 self.metrics.ttft.observe(time.perf_counter() - started)
-            response_headers = [
-                (k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in _DROP_RESPONSE_HEADERS
-            ]
+            response_headers = [(k, v) for k, v in upstream.headers if k not in _DROP_RESPONSE_HEADERS]
             response_headers += [
                 (b"x-kvroute-worker", worker.name.encode()),
                 (b"x-kvroute-route-reason", reason.encode()),
             ]
             self.metrics.requests.inc(worker.name, reason, str(status))
-            if not (stream and status == 200):
+            state["started"] = True
+            if not relay:
                 state["finished"] = True
                 await _send_whole(send, status, response_headers, first)
                 return
-            await send({"type": "http.response.start", "status": status, "headers": response_headers})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-            await self._relay(chunks, flight, send, state)
+            await self._relay(response_headers, first, chunks, flight, send, state, worker)
         finally:
             self.deadlines.done(flight)
-            self.loads.release(ticket)
             if upstream is not None:
                 await upstream.aclose()
 
-    async def _relay(self, chunks, flight: Flight, send, state: dict) -> None:
+    async def _relay(
+        self, response_headers: list[tuple[bytes, bytes]], first: bytes, chunks, flight: Flight, send, state: dict,
+        worker: Worker,
+    ) -> None:
         loop = asyncio.get_running_loop()
         idle = self.settings.idle_timeout_s
-        flight.extend(loop.time() + idle)
         tail = b""
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": response_headers})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             async for chunk in chunks:
                 flight.extend(loop.time() + idle)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:
             if flight.expired is None:
+                if state["disconnected"]:
+                    raise
+                # Cancelled by the server: the graceful-shutdown grace period ran out. End
+                # the stream the way the client can parse rather than cutting it.
+                tail = self._stream_failed("the router is shutting down")
+                state["finished"] = True
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": tail, "more_body": False})
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            tail = self._stream_failed("the worker stopped sending (timeout)")
-        except httpx.HTTPError as exc:
-            tail = self._stream_failed(f"the worker connection failed ({type(exc).__name__})")
+            if flight.expired == "total":
+                tail = self._stream_failed("the request exceeded its total timeout")
+            else:
+                worker.breaker.failure("stream stalled")
+                tail = self._stream_failed("the worker stopped sending (timeout)")
+        except UpstreamError as exc:
+            worker.breaker.failure("stream broken")
+            tail = self._stream_failed(f"the worker connection failed ({exc})")
+        self.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
         state["finished"] = True
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 

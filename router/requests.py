@@ -50,16 +50,32 @@ def validate(body: dict[str, Any], kind: RequestKind | None) -> str:
             raise _bad("Missing required parameter: 'messages'.", "missing_required_parameter")
         if not isinstance(messages, list) or not messages:
             raise _bad("'messages' must be a non-empty array.", "invalid_type")
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                raise _bad(f"'messages[{i}]' must be an object with a string 'role'.", "invalid_type")
+        _check_messages(messages)
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise _bad("'tools' must be an array.", "invalid_type")
     elif kind == "completion":
+        # Not part of a completions request, but the normalizer reads it if present.
+        if isinstance(body.get("messages"), list):
+            _check_messages(body["messages"])
         prompt = body.get("prompt")
         if prompt is None:
             raise _bad("Missing required parameter: 'prompt'.", "missing_required_parameter")
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
             raise _bad("'prompt' must be a string or a non-empty array.", "invalid_type")
     return model
+
+
+def _check_messages(messages: list[Any]) -> None:
+    """The message shape the normalizer and the prefix-key builder rely on."""
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise _bad(f"'messages[{i}]' must be an object with a string 'role'.", "invalid_type")
+        tool_calls = msg.get("tool_calls")
+        if tool_calls is None:
+            continue
+        if not isinstance(tool_calls, list):
+            raise _bad(f"'messages[{i}].tool_calls' must be an array.", "invalid_type")
+        for j, call in enumerate(tool_calls):
+            if not isinstance(call, dict) or not isinstance(call.get("function", {}), dict):
+                raise _bad(f"'messages[{i}].tool_calls[{j}]' must be an object whose 'function' is an object.", "invalid_type")

@@ -23,15 +23,31 @@ from router.policies import POLICIES
 from router.workers import WorkerSpec, parse_worker_arg
 
 ENV_PREFIX = "KVROUTE_"
-LIST_FLAGS = {"workers": "--worker", "discover": "--discover"}
+LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys"}
 HELP = {
     "workers": "a worker as NAME=URL or URL (repeatable)",
     "discover": "discover workers, e.g. dns://HEADLESS_SERVICE:PORT (repeatable)",
     "policy": "routing policy",
-    "redis": "share the index through Redis: redis://HOST:PORT/DB (also rediss://, cluster URLs)",
+    "redis": "share the index through Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS), "
+    "redis+cluster://HOST:PORT[,HOST:PORT...] or ?cluster=true (Redis Cluster); see docs/redis.md",
+    "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",
+    "redis_ttl_s": "Redis index entries unused for this many seconds expire",
+    "redis_lookup_budget_ms": "longest a lookup waits for Redis before routing on the local view",
     "pool_capacity_tokens": "the workers share an LMCache CPU pool of this many tokens (0: no pool)",
     "kv_capacity_tokens": "KV capacity of each worker in tokens, for the LRU capacity model",
     "processes": "router processes on one port (share state through --redis)",
+    "api_keys": "client API keys accepted on /v1/* (comma-separated, repeatable; env KVROUTE_API_KEYS); "
+    "prefer --api-keys-file, a flag shows in ps",
+    "api_keys_file": "file of client API keys, one a line (# comments)",
+    "admin_token": "token for /admin/* and /debug/route; prefer env KVROUTE_ADMIN_TOKEN or --admin-token-file",
+    "admin_token_file": "file holding the admin token",
+    "max_inflight_per_worker": "requests in flight to one worker before new ones queue (0: no limit)",
+    "queue_size": "requests that may wait for a worker slot; beyond, 429 with Retry-After",
+    "queue_timeout_s": "longest a request waits for a worker slot before 429",
+    "shutdown_grace_s": "on SIGTERM, how long in-flight requests and streams may take to finish",
+    "keep_alive_s": "idle client connections are kept this long (longer than clients keep theirs)",
+    "breaker_failures": "consecutive failures that open a worker's circuit (0: never)",
+    "outlier_interval_s": "how often error-rate/latency outliers are judged and ejected (0: off)",
 }
 
 
@@ -75,6 +91,9 @@ def _coerce(name: str, value: Any) -> Any:
         return [_worker(v) for v in items if v]
     if name == "discover":
         return [v for v in (value.split(",") if isinstance(value, str) else list(value)) if v]
+    if name == "api_keys":
+        items = [value] if isinstance(value, str) else list(value)
+        return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
     if value is None:
         return None
     if kind is bool and isinstance(value, str):
@@ -124,7 +143,26 @@ def load_config(argv: list[str], environ: dict[str, str] | None = None) -> Route
     config = RouterConfig(**coerced)
     if config.policy not in POLICIES:
         raise SystemExit(f"kvroute: unknown policy {config.policy!r}")
+    _check_secrets(config)
     return config
+
+
+def _check_secrets(config: RouterConfig) -> None:
+    """Fail at startup, with a message that names the setting but not the secret."""
+    from router.auth import resolve_admin_token, resolve_api_keys
+
+    try:
+        resolve_api_keys(config.api_keys, config.api_keys_file)
+    except OSError as exc:
+        raise SystemExit(f"kvroute: cannot read --api-keys-file: {exc.strerror}") from None
+    if config.api_keys_file and not resolve_api_keys([], config.api_keys_file):
+        raise SystemExit("kvroute: --api-keys-file holds no key")
+    try:
+        resolve_admin_token(config.admin_token, config.admin_token_file)
+    except OSError as exc:
+        raise SystemExit(f"kvroute: cannot read --admin-token-file: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SystemExit(f"kvroute: --admin-token-file: {exc}") from None
 
 
 def configure_logging(level: str) -> None:
@@ -142,6 +180,11 @@ def make_app(config: RouterConfig):
         from cache_client.redis_index import connect_redis
 
         components.update(connect_redis(config))
+    from router.precise import precise_from_env  # precise mode: --tokenizer & co.
+
+    chains = precise_from_env()
+    if chains is not None:
+        components["chains"] = chains
     return build_app(config, **components)
 
 
@@ -160,6 +203,9 @@ def app_from_env():
 def cli(argv: list[str]) -> int:
     import uvicorn
 
+    from router.precise import take_precise_flags  # precise-mode flags travel as KVROUTE_* env
+
+    argv = take_precise_flags(argv)
     config = load_config(argv)
     configure_logging(config.log_level)
     if not config.workers and not config.discover:
@@ -174,7 +220,9 @@ def cli(argv: list[str]) -> int:
         access_log=False,
         server_header=False,
         backlog=4096,
-        timeout_graceful_shutdown=30,
+        # SIGTERM: stop accepting, let in-flight requests and streams finish this long.
+        timeout_graceful_shutdown=config.shutdown_grace_s,
+        timeout_keep_alive=config.keep_alive_s,
     )
     if config.processes > 1:
         os.environ[_CONFIG_ENV] = orjson.dumps(dataclasses.asdict(config)).decode()

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from router.breaker import BreakerSettings, CircuitBreaker
+from router.redact import exc_summary
+
 log = logging.getLogger("kvroute.workers")
 
 
@@ -39,10 +42,12 @@ class Worker:
     """Consecutive failed health checks or forwards."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Last scraped engine gauges (vllm:num_requests_waiting, ...)."""
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    """Passive health from real traffic (router/breaker.py); open means no new requests."""
 
     @property
     def serving(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and self.breaker.admits()
 
 
 def parse_worker_arg(arg: str) -> WorkerSpec:
@@ -86,8 +91,10 @@ class Fleet:
         unhealthy_after: int = 2,
         scrape_metrics: bool = False,
         on_down: Callable[[str], Awaitable[None]] | None = None,
+        breaker: BreakerSettings | None = None,
     ) -> None:
         self._client = client
+        self.breaker_settings = breaker or BreakerSettings()
         self._workers: dict[str, Worker] = {}
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -95,6 +102,8 @@ class Fleet:
         self.scrape_metrics = scrape_metrics
         self._on_down = on_down
         self._task: asyncio.Task | None = None
+        self._checking: dict[str, asyncio.Task] = {}
+        """Health checks in flight, by worker: at most one each."""
         for spec in specs:
             self.add(spec)
 
@@ -103,6 +112,7 @@ class Fleet:
         if spec.name in self._workers:
             raise ValueError(f"worker {spec.name!r} already exists")
         worker = Worker(spec.name, spec.url, spec.api_key)
+        worker.breaker = CircuitBreaker(self.breaker_settings, spec.name)
         self._workers[spec.name] = worker
         return worker
 
@@ -202,6 +212,9 @@ class Fleet:
         if ok:
             if not worker.healthy:
                 log.info("worker %s is up", worker.name)
+                # Back from the dead (restarted): a circuit opened by its connection errors
+                # lets a probe through now rather than when its open period ends.
+                worker.breaker.probe_now()
             worker.healthy = True
             worker.failures = 0
         else:
@@ -213,21 +226,36 @@ class Fleet:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self._workers.values())))
 
+    async def _check_one(self, worker: Worker) -> None:
+        try:
+            await self.check(worker)
+        except Exception as exc:  # a bug here must not stop health checking
+            log.error("health check of %s failed: %s", worker.name, exc_summary(exc))
+        finally:
+            self._checking.pop(worker.name, None)
+
     async def _loop(self) -> None:
+        # Each worker is checked on its own schedule: a round that waited for every check
+        # would let one slow worker (timing out under load) delay noticing that another
+        # came back, or went away, by the whole health timeout.
         while True:
             await asyncio.sleep(self.health_interval_s)
-            try:
-                await self.check_all()
-            except Exception:  # a bug here must not stop health checking
-                log.exception("health check round failed")
+            for worker in list(self._workers.values()):
+                if worker.name not in self._checking:
+                    self._checking[worker.name] = asyncio.create_task(
+                        self._check_one(worker), name=f"kvroute-health-{worker.name}"
+                    )
 
     async def start(self) -> None:
         await self.check_all()
         self._task = asyncio.create_task(self._loop(), name="kvroute-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._checking.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._task = None
+        self._checking.clear()

@@ -1,0 +1,166 @@
+"""In-flight load shared by router replicas through Redis.
+
+Each replica keeps its own counts exactly as `LocalLoadBoard` does (acquire, first byte and
+release change them at once, no I/O) and, every `sync_interval_s`, publishes them whole
+under a lease and reads every other live replica's counts in the same script call
+(`lua/loads.lua`). `snapshot()` adds the two: it never waits on Redis.
+
+Publishing absolute per-replica counts rather than deltas to shared counters makes every
+sync idempotent: a lost or repeated message cannot leave a counter wrong, and a replica
+that crashes stops counting when its lease expires instead of leaving its in-flight
+requests behind forever. The decayed recent-traffic counts add up across replicas the same
+way (a sum of exponentially decayed counts is the decayed count of the union).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from cache_client.redis_index import LOADS_SCRIPT, REDIS_ERRORS, RedisBackend
+from router.load import DEFAULT_RECENT_HALF_LIFE_S, LocalLoadBoard, Ticket
+from router.routing import WorkerLoad
+
+log = logging.getLogger("kvroute.redis")
+
+
+class _Remote:
+    __slots__ = ("at", "inflight", "queued_prefill_s", "recent")
+
+    def __init__(self, at: float) -> None:
+        self.inflight = 0
+        self.queued_prefill_s = 0.0
+        self.recent = 0.0
+        self.at = at
+
+
+class RedisLoadBoard(LocalLoadBoard):
+    """`LoadBoard` whose snapshot counts every live replica's requests."""
+
+    def __init__(
+        self,
+        backend: RedisBackend,
+        *,
+        prefix: str = "kvroute",
+        replica_id: str,
+        half_life_s: float = DEFAULT_RECENT_HALF_LIFE_S,
+        sync_interval_s: float = 0.05,
+        lease_s: float = 2.0,
+        clock=time.monotonic,
+    ) -> None:
+        super().__init__(half_life_s, clock)
+        self._backend = backend
+        self._tag = "{" + prefix + "}"
+        self._registry = self._tag + ":lb"
+        self.replica_id = replica_id
+        self._interval = sync_interval_s
+        self._lease_ms = int(lease_s * 1000)
+        self._lease_s = lease_s
+        self._remote: dict[str, _Remote] = {}
+        self._synced_at = -math.inf
+        self._task: asyncio.Task | None = None
+        self.syncs = 0
+        backend.on_close.append(self._leave)
+        # Heartbeat from the moment Redis answers, not from this replica's first request:
+        # other replicas (and operators) see every live replica.
+        backend.on_up.append(self._start)
+
+    # -- background sync -------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._task is not None or self._backend.closed:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._backend.start()
+        self._task = self._backend.spawn(self._sync_loop())
+
+    def _payload(self) -> bytes:
+        now = self._clock()
+        counts: dict[str, list[float]] = {}
+        for name, c in self._counts.items():
+            recent = self._recent(c, now)
+            if c.inflight or c.queued_prefill_s > 1e-9 or recent > 1e-6:
+                counts[name] = [c.inflight, max(c.queued_prefill_s, 0.0), recent]
+        return orjson.dumps(counts)
+
+    async def sync(self) -> bool:
+        """Publish this replica's counts and take in the others'. False if Redis failed."""
+        try:
+            others = await self._backend.script(
+                LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, self._payload()]
+            )
+        except Exception as exc:
+            if not isinstance(exc, REDIS_ERRORS):
+                log.exception("load board sync failed unexpectedly")
+            self._backend.failed(exc)
+            return False
+        now = self._clock()
+        remote: dict[str, _Remote] = {}
+        for raw in others:
+            for name, (inflight, queued, recent) in orjson.loads(raw).items():
+                r = remote.get(name)
+                if r is None:
+                    r = remote[name] = _Remote(now)
+                r.inflight += int(inflight)
+                r.queued_prefill_s += float(queued)
+                r.recent += float(recent)
+        self._remote = remote
+        self._synced_at = now
+        self.syncs += 1
+        return True
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            if self._backend.up:
+                await self.sync()
+            elif self._remote and self._clock() - self._synced_at > self._lease_s:
+                # Counts older than a lease may belong to replicas that died meanwhile.
+                self._remote = {}
+
+    async def _leave(self) -> None:
+        if self._backend.up:
+            await self._backend.script(LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, ""])
+
+    # -- LoadBoard -------------------------------------------------------------------------
+    def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]:
+        self._start()
+        now = self._clock()
+        out = []
+        for name in names:
+            c = self._get(name)
+            r = self._remote.get(name)
+            inflight, queued, recent = c.inflight, c.queued_prefill_s, self._recent(c, now)
+            if r is not None:
+                inflight += r.inflight
+                queued += r.queued_prefill_s
+                recent += r.recent * math.exp(-self._decay * (now - r.at))
+            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting))
+        return out
+
+    def acquire(self, worker: str, prefill_s: float) -> Ticket:
+        self._start()
+        return super().acquire(worker, prefill_s)
+
+    def inflight(self, worker: str) -> int:
+        r = self._remote.get(worker)
+        return super().inflight(worker) + (r.inflight if r is not None else 0)
+
+    def local_inflight(self, worker: str) -> int:
+        return super().inflight(worker)
+
+    def forget(self, worker: str) -> None:
+        super().forget(worker)
+        self._remote.pop(worker, None)
+
+    def remote_view(self) -> dict[str, Any]:
+        """The other replicas' counts as last synced (for tests and debugging)."""
+        return {n: (r.inflight, r.queued_prefill_s, r.recent) for n, r in self._remote.items()}

@@ -1,0 +1,710 @@
+"""`kvroute bench`: the multi-turn benchmark of routing policies and peer routers.
+
+    kvroute bench --scenario seed --policies random,round_robin,least_loaded,cache_aware \
+        [--peers sglang-router,vllm-router] [--find-capacity --slo-p99-ttft 2.0] \
+        [--workers 8] [--time-scale S|auto] [--seed N] --out DIR
+
+For every router in turn it starts a fresh simulated cluster (so caches start cold and
+equal), the router in front of it, and plays the same workload (`loadtests.workload`)
+through it with the streaming client (`loadtests.harness`). It writes `DIR/results.json`,
+`DIR/results.md`, `DIR/requests.jsonl` (one line per request), `DIR/ttft_cdf.png`,
+`DIR/ttft_by_turn.png` and the routers' logs under `DIR/logs/`. The last line printed on
+stdout is a one-line JSON summary.
+
+The shared pool. The incident's fleet was vLLM behind a random load balancer, with no
+LMCache; the fix was cache-aware routing plus a shared LMCache CPU pool. So a router entry
+says whether its cluster has the pool: cache-blind policies (`random`, `round_robin`,
+`least_loaded`) run without it by default (the incident's baseline), cache-aware ones and
+the peers with it. Append `+pool` or `-nopool` to change that for one entry, e.g.
+`random+pool` (a stronger baseline: LMCache alone) or `cache_aware-nopool` (routing alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from loadtests import harness
+from loadtests.harness import (
+    HttpProbes,
+    ProcessMonitor,
+    QueueSampler,
+    RunOutcome,
+    bottleneck_verdict,
+    counters_delta,
+    metric_sum,
+    parse_prometheus,
+    percentile,
+    scrape_workers,
+    worker_hit_ratio,
+)
+from loadtests.peers import PEERS, PeerRouter, parse_peer, result_key
+from loadtests.routerproc import RouterProcess
+from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, build_cost_model
+from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS as POOL_CAPACITY_TOKENS
+from loadtests.workload import SCENARIOS, Rates, Workload, build_workload, derive_rates
+from router.policies import POLICIES
+
+DEFAULT_POLICIES = "random,round_robin,least_loaded,cache_aware"
+CACHE_BLIND = frozenset({"random", "round_robin", "least_loaded"})
+"""Policies a plain load balancer offers; they run without the pool unless told `+pool`."""
+
+HARNESS_TOKENS_PER_WALL_S = 2000.0
+"""Streamed tokens per wall second this 2-core machine sustains while also running the
+simulator and the router with room to spare (measured: at 2,000 tokens/s the client uses
+~0.35 cores, the simulator ~0.1, kvroute ~0.07). `--time-scale auto` slows simulated time until
+the workload's offered output stays under it; the bottleneck flag checks the outcome."""
+MIN_AUTO_TIME_SCALE = 0.5
+MAX_AUTO_TIME_SCALE = 8.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    """Name in results.json: the policy or peer, with `+pool` / `-nopool` if not the default."""
+    kind: str
+    """'kvroute' or 'peer'."""
+    policy: str
+    peer: str | None
+    pool: bool
+
+
+def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
+    if item.endswith("+pool"):
+        return item[: -len("+pool")], True
+    if item.endswith("-nopool"):
+        return item[: -len("-nopool")], False
+    return item, None
+
+
+def parse_entries(policies: str, peers: str) -> list[Entry]:
+    entries: list[Entry] = []
+    for raw in (p.strip() for p in policies.split(",") if p.strip()):
+        name, pool = _split_pool_suffix(raw)
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        default = name not in CACHE_BLIND
+        pool = default if pool is None else pool
+        entries.append(Entry(name if pool == default else raw, "kvroute", name, None, pool))
+    for raw in (p.strip() for p in peers.split(",") if p.strip()):
+        name, pool = _split_pool_suffix(raw)
+        for peer, policy in parse_peer(name):
+            key = result_key(peer, policy)
+            use_pool = True if pool is None else pool
+            entries.append(Entry(key if use_pool else f"{key}-nopool", "peer", policy, peer, use_pool))
+    keys = [e.key for e in entries]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a router is listed twice: {keys}")
+    return entries
+
+
+def auto_time_scale(output_tokens_per_s: float) -> float:
+    scale = output_tokens_per_s / HARNESS_TOKENS_PER_WALL_S
+    return round(min(max(scale, MIN_AUTO_TIME_SCALE), MAX_AUTO_TIME_SCALE), 2)
+
+
+# -- progress -------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """One self-rewriting line on stderr, only on a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.prefix = ""
+
+    def set(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __call__(self, info: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        frac = min(max(info["sim_s"] / max(info["end_s"], 1e-9), 0.0), 1.0)
+        bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
+        p50 = info.get("ttft_p50_s")
+        p50s = f"{p50:.2f}s" if p50 is not None else "  -  "
+        line = (
+            f"{self.prefix} [{bar}] {frac:4.0%} sim {info['sim_s']:5.0f}/{info['end_s']:.0f}s"
+            f" req {info['requests']:5d} ttft p50 {p50s}"
+        )
+        sys.stderr.write("\r" + line[:150].ljust(150))
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 150 + "\r")
+            sys.stderr.flush()
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSetup:
+    workers: int
+    profile: str
+    time_scale: float
+    kv_capacity_tokens: int
+    pool_capacity_tokens: int
+    logs: Path
+
+
+def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
+    args = [
+        "--kv-capacity-tokens", str(setup.kv_capacity_tokens),
+        "--pool-capacity-tokens", str(setup.pool_capacity_tokens if entry.pool else 0),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    if setup.profile != DEFAULT_PROFILE:
+        # kvroute's cost defaults describe the 8B model; for another profile configure it
+        # the way an operator would: a line through the simulated marginal prefill cost.
+        cost = build_cost_model(setup.profile)
+        c0, c32 = cost.marginal_prefill_s(0), cost.marginal_prefill_s(32_768)
+        args += [
+            "--cost-prefill-base-us", f"{c0 * 1e6:.3f}",
+            "--cost-prefill-ctx-ns", f"{(c32 - c0) / 32_768 * 1e9:.4f}",
+            "--cost-pool-load-us", f"{cost.pool_load_s(1) * 1e6:.4f}",
+        ]  # fmt: skip
+    return args
+
+
+async def run_entry(
+    entry: Entry, workload: Workload, setup: RunSetup, progress: ProgressBar | None = None
+) -> tuple[dict[str, Any], RunOutcome]:
+    from loadtests.sim.cluster import SimCluster
+
+    cluster = SimCluster(
+        workers=setup.workers,
+        time_scale=setup.time_scale,
+        profile=setup.profile,
+        kv_capacity_tokens=setup.kv_capacity_tokens,
+        pool=entry.pool,
+        pool_capacity_tokens=setup.pool_capacity_tokens if entry.pool else None,
+    )
+    await asyncio.to_thread(cluster.start)
+    router: RouterProcess | PeerRouter
+    try:
+        log = str(setup.logs / f"{entry.key.replace('/', '_')}.log")
+        if entry.kind == "kvroute":
+            router = RouterProcess(cluster.worker_urls, entry.policy, _kvroute_args(setup, entry), log_path=log)
+        else:
+            assert entry.peer is not None
+            router = PeerRouter(entry.peer, entry.policy, list(cluster.worker_urls.values()), log_path=log)
+        await asyncio.to_thread(router.start)
+        try:
+            return await _measure(entry, workload, setup, cluster, router, progress)
+        finally:
+            await asyncio.to_thread(router.stop)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+async def _router_metrics(router: RouterProcess | PeerRouter) -> str:
+    try:
+        return await asyncio.to_thread(router.metrics)
+    except httpx.HTTPError:
+        return ""
+
+
+async def _measure(
+    entry: Entry,
+    workload: Workload,
+    setup: RunSetup,
+    cluster: Any,
+    router: RouterProcess | PeerRouter,
+    progress: ProgressBar | None,
+) -> tuple[dict[str, Any], RunOutcome]:
+    assert cluster.proc is not None and router.proc is not None
+    pids = {"simulator": cluster.proc.pid, "router": router.proc.pid, "client": os.getpid()}
+    loop_processes = ["simulator", "client"] + (["router"] if entry.kind == "kvroute" else [])
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        before = await scrape_workers(client, cluster.worker_urls)
+        router_before = parse_prometheus(await _router_metrics(router))
+        monitor = ProcessMonitor(pids)
+        probes = HttpProbes(
+            {
+                "simulator": next(iter(cluster.worker_urls.values())) + "/health",
+                "router": router.url + ("/health" if entry.kind == "kvroute" else "/liveness"),
+            }
+        )
+        queues = QueueSampler(client, cluster.worker_urls)
+        monitor.start()
+        probes.start()
+        queues.start()
+        try:
+            outcome = await harness.drive(workload, router.url, setup.time_scale, progress=progress)
+        finally:
+            await queues.stop()
+            await asyncio.to_thread(probes.stop)
+            monitor.stop()
+        after = await scrape_workers(client, cluster.worker_urls)
+        router_after = parse_prometheus(await _router_metrics(router))
+    delta = counters_delta(before, after)
+    steps = delta.get("steps", 0.0)
+    mean_step = delta.get("sim:busy_seconds_total", 0.0) / steps if steps and not math.isnan(steps) else None
+    probe_readings = probes.summary()
+    cpu = monitor.summary()
+    verdict = bottleneck_verdict(
+        time_scale=setup.time_scale,
+        mean_step_s=mean_step,
+        client_lag=outcome.client_lag,
+        probes=probe_readings,
+        cpu=cpu,
+        event_loop_processes=loop_processes,
+    )
+    summary = summarize(entry, outcome, delta, router_before, router_after)
+    summary["queues"] = queues.summary()
+    summary["harness"] = {
+        "time_scale": setup.time_scale,
+        "mean_step_s": mean_step,
+        "client_loop_lag": outcome.client_lag,
+        "probes": probe_readings,
+        "cpu": cpu,
+        "bottleneck": verdict,
+    }
+    return summary, outcome
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(
+    entry: Entry,
+    outcome: RunOutcome,
+    delta: dict[str, float],
+    router_before: dict[str, list[tuple[dict[str, str], float]]],
+    router_after: dict[str, list[tuple[dict[str, str], float]]],
+) -> dict[str, Any]:
+    measured = [r for r in outcome.records if r.measured]
+    ok = [r for r in measured if r.error is None or r.censored]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    decoding = [r for r in ok if r.decode_s is not None and r.completion_tokens >= 2 and r.error is None]
+    decode_time = sum(r.decode_s or 0.0 for r in decoding)
+    intervals = sum(r.completion_tokens - 1 for r in decoding)
+    itl = decode_time / intervals if intervals else None
+    by_turn: dict[int, list[float]] = defaultdict(list)
+    for r in ok:
+        if r.ttft_s is not None:
+            by_turn[r.turn].append(r.ttft_s)
+    # Drift check: the window's second half against its first (an overloaded fleet's
+    # queues keep growing, so its second half is slower).
+    middle = min((r.sent_s for r in ok), default=0.0) + outcome.window_s / 2
+    first_half = [r.ttft_s for r in ok if r.ttft_s is not None and r.sent_s < middle]
+    second_half = [r.ttft_s for r in ok if r.ttft_s is not None and r.sent_s >= middle]
+    prompt = cached_pred = None
+    reasons: dict[str, float] = {}
+    if entry.kind == "kvroute":
+        prompt = metric_sum(router_after, "kvroute_prompt_tokens_total") - metric_sum(router_before, "kvroute_prompt_tokens_total")
+        cached_pred = metric_sum(router_after, "kvroute_predicted_cached_tokens_total") - metric_sum(
+            router_before, "kvroute_predicted_cached_tokens_total"
+        )
+        for labels, value in router_after.get("kvroute_requests_total", []):
+            reasons[labels.get("reason", "?")] = reasons.get(labels.get("reason", "?"), 0.0) + value
+        for labels, value in router_before.get("kvroute_requests_total", []):
+            reasons[labels.get("reason", "?")] = reasons.get(labels.get("reason", "?"), 0.0) - value
+    worker_ttft_n = delta.get("vllm:time_to_first_token_seconds_count", 0.0)
+    worker_ttft_mean = delta.get("vllm:time_to_first_token_seconds_sum", 0.0) / worker_ttft_n if worker_ttft_n else None
+    all_tokens = sum(r.completion_tokens for r in outcome.records)
+    per_worker: dict[str, int] = defaultdict(int)
+    for r in measured:
+        if r.worker:
+            per_worker[r.worker] += 1
+    return {
+        "kind": entry.kind,
+        "policy": entry.policy,
+        "peer": entry.peer,
+        "pool": entry.pool,
+        "requests_measured": len(measured),
+        "requests_failed": sum(1 for r in measured if r.error is not None and not r.censored),
+        "ttft_censored": sum(1 for r in measured if r.censored),
+        "ttft_mean_s": _mean(ttfts),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_max_s": max(ttfts, default=None),
+        "itl_mean_s": itl,
+        "output_tok_per_s": 1.0 / itl if itl else None,
+        "aggregate_output_tok_per_s": all_tokens / outcome.sim_s if outcome.sim_s else None,
+        "sessions_completed": outcome.sessions_completed,
+        "sessions_failed": outcome.sessions_failed,
+        "sessions_started": outcome.sessions_started,
+        "predicted_hit_ratio": (cached_pred / prompt) if prompt else None,
+        "worker_hit_ratio": worker_hit_ratio(delta),
+        "worker_gpu_hit_ratio": (
+            delta.get("vllm:prefix_cache_hits_total", 0.0) / delta["vllm:prefix_cache_queries_total"]
+            if delta.get("vllm:prefix_cache_queries_total")
+            else None
+        ),
+        "worker_ttft_mean_s": worker_ttft_mean,
+        "client_minus_worker_ttft_mean_s": (_mean(ttfts) - worker_ttft_mean) if ttfts and worker_ttft_mean is not None else None,
+        "ttft_mean_first_half_s": _mean(first_half),
+        "ttft_mean_second_half_s": _mean(second_half),
+        "computed_prompt_tokens": delta.get("sim:computed_prompt_tokens_total"),
+        "preemptions": delta.get("vllm:num_preemptions_total"),
+        "route_reasons": {k: v for k, v in sorted(reasons.items()) if v},
+        "requests_per_worker": dict(sorted(per_worker.items())),
+        "ttft_by_turn": {
+            str(t): {"n": len(v), "mean_s": _mean(v), "p99_s": percentile(v, 99)} for t, v in sorted(by_turn.items())
+        },
+        "run": outcome.to_dict(),
+    }
+
+
+# -- capacity search ----------------------------------------------------------------------------
+
+
+async def find_capacity(
+    entry: Entry,
+    scenario_name: str,
+    seed: int,
+    base_rate: float,
+    slo_p99_s: float,
+    setup: RunSetup,
+    out_per_session: float,
+    fixed_scale: float | None,
+    steps: int,
+    progress: ProgressBar | None,
+) -> dict[str, Any]:
+    """Highest session arrival rate whose short run keeps TTFT p99 within the SLO.
+
+    Doubles (or halves) from the scenario's rate until the outcome flips, then bisects
+    geometrically `steps` times. Every probe is a fresh cluster and router.
+    """
+    scenario = SCENARIOS[scenario_name]
+    trials: list[dict[str, Any]] = []
+
+    async def meets(rate: float) -> bool:
+        scale = fixed_scale or auto_time_scale(rate * out_per_session)
+        # Short probes: a third of the window (at least 20 s), a shorter warm-up and grace;
+        # runs start in steady state, so this still measures a loaded fleet.
+        wl = build_workload(
+            scenario, seed, rate, warmup_s=min(scenario.warmup_s, 20.0), window_s=max(scenario.window_s / 3, 20.0),
+            grace_s=min(scenario.grace_s, 10.0), profile=setup.profile,
+        )  # fmt: skip
+        probe_setup = RunSetup(**{**setup.__dict__, "time_scale": scale})
+        if progress is not None:
+            progress.set(f"capacity {entry.key} @ {rate:.2f}/s")
+        summary, _ = await run_entry(entry, wl, probe_setup, progress)
+        p99 = summary["ttft_p99_s"]
+        ok = p99 is not None and p99 <= slo_p99_s and summary["requests_failed"] == 0
+        trials.append(
+            {
+                "rate_per_s": rate,
+                "time_scale": scale,
+                "ttft_p99_s": p99,
+                "ttft_mean_s": summary["ttft_mean_s"],
+                "requests_failed": summary["requests_failed"],
+                "meets_slo": ok,
+                "bottleneck": summary["harness"]["bottleneck"]["flag"],
+            }
+        )
+        return ok
+
+    lo, hi = 0.0, math.inf
+    rate = base_rate
+    for _ in range(6):
+        if await meets(rate):
+            lo = rate
+            rate *= 2
+        else:
+            hi = rate
+            rate /= 2
+        if lo > 0 and hi < math.inf:
+            break
+    if lo > 0 and hi < math.inf:
+        for _ in range(steps):
+            mid = math.sqrt(lo * hi)
+            if await meets(mid):
+                lo = mid
+            else:
+                hi = mid
+    return {
+        "capacity_sessions_per_s": lo if hi < math.inf else None,
+        "bracket": [lo, hi if hi < math.inf else None],
+        "slo_p99_ttft_s": slo_p99_s,
+        "trials": trials,
+    }
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ca = routers.get("cache_aware")
+    if ca is None:
+        return out
+    for base in ("random", "random+pool", "round_robin", "least_loaded"):
+        b = routers.get(base)
+        if b is None:
+            continue
+        out[f"{base}_over_cache_aware_ttft_mean"] = _ratio(b["ttft_mean_s"], ca["ttft_mean_s"])
+        out[f"{base}_over_cache_aware_ttft_p99"] = _ratio(b["ttft_p99_s"], ca["ttft_p99_s"])
+        if "capacity_sessions_per_s" in b:
+            out[f"cache_aware_over_{base}_capacity"] = _ratio(ca.get("capacity_sessions_per_s"), b.get("capacity_sessions_per_s"))
+    for key, r in routers.items():
+        if r["kind"] == "peer":
+            out[f"cache_aware_ttft_mean_le_{key}"] = (
+                ca["ttft_mean_s"] is not None and r["ttft_mean_s"] is not None and ca["ttft_mean_s"] <= r["ttft_mean_s"]
+            )
+            out[f"cache_aware_ttft_p99_le_{key}"] = (
+                ca["ttft_p99_s"] is not None and r["ttft_p99_s"] is not None and ca["ttft_p99_s"] <= r["ttft_p99_s"]
+            )
+    peers_p99 = [r["ttft_p99_s"] for r in routers.values() if r["kind"] == "peer" and r["ttft_p99_s"] is not None]
+    if peers_p99:
+        out["cache_aware_p99_over_best_peer_p99"] = _ratio(ca["ttft_p99_s"], min(peers_p99))
+    if ca.get("predicted_hit_ratio") is not None and ca.get("worker_hit_ratio") is not None:
+        out["cache_aware_predicted_minus_worker_hit_ratio"] = ca["predicted_hit_ratio"] - ca["worker_hit_ratio"]
+    return out
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def write_markdown(path: Path, results: dict[str, Any]) -> None:
+    routers = results["routers"]
+    lines = [
+        f"# kvroute bench: scenario `{results['scenario']['name']}`",
+        "",
+        f"{results['config']['workers']} simulated workers ({results['config']['profile']}), "
+        f"time scale {results['config']['time_scale']}, seed {results['config']['seed']}, "
+        f"arrival rate {results['scenario']['arrival_rate_per_s']:.3f} sessions/s "
+        f"(load {results['scenario']['rates']['load']} × cache-blind prefill capacity "
+        f"{results['scenario']['rates']['capacity_sessions_per_s_cache_blind']:.3f}/s). "
+        "All times are simulated seconds.",
+        "",
+        "| router | pool | TTFT mean | p50 | p99 | ITL mean | decode tok/s | sessions done | "
+        "predicted hit | worker hit | capacity/s | bottleneck |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in routers.items():
+        lines.append(
+            f"| {key} | {_fmt(r['pool'])} | {_fmt(r['ttft_mean_s'])} | {_fmt(r['ttft_p50_s'])} | "
+            f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['itl_mean_s'], 4)} | {_fmt(r['output_tok_per_s'], 1)} | "
+            f"{r['sessions_completed']} | {_fmt(r['predicted_hit_ratio'])} | {_fmt(r['worker_hit_ratio'])} | "
+            f"{_fmt(r.get('capacity_sessions_per_s'))} | {_fmt(r['harness']['bottleneck']['flag'])} |"
+        )
+    for key, f in results.get("failed", {}).items():
+        lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 9)
+    lines += ["", "## Comparison", ""]
+    lines += [f"- `{k}`: {_fmt(v)}" for k, v in results["comparison"].items()]
+    lines += ["", "## Harness", ""]
+    for key, r in routers.items():
+        h = r["harness"]
+        lag = h["client_loop_lag"].get("p99_s")
+        reasons = "; ".join(h["bottleneck"]["reasons"]) or "none"
+        lines.append(
+            f"- {key}: mean step {_fmt(h['mean_step_s'], 4)} s, lag threshold "
+            f"{_fmt(h['bottleneck']['lag_threshold_s'], 4)} s, client lag p99 {_fmt(lag, 4)} s, "
+            f"probe p99 simulator {_fmt(h['probes']['simulator']['p99_s'], 4)} s / router "
+            f"{_fmt(h['probes']['router']['p99_s'], 4)} s, machine CPU mean "
+            f"{_fmt(h['cpu']['system_cpu_mean_percent'], 0)}% — flag reasons: {reasons}"
+        )
+    if results.get("guidellm"):
+        lines += ["", "## GuideLLM (independent client)", "", "```", json.dumps(results["guidellm"], indent=1)[:4000], "```"]
+    lines += ["", f"Wall time: {results['wall_s']:.0f} s.", ""]
+    path.write_text("\n".join(lines))
+
+
+def _plots(out: Path, records: dict[str, list[harness.RequestRecord]], title: str) -> list[str]:
+    from loadtests.plots import ttft_by_turn, ttft_cdf
+
+    ttfts = {k: [r.ttft_s for r in rs if r.measured and r.ttft_s is not None] for k, rs in records.items()}
+    by_turn: dict[str, dict[int, list[float]]] = {}
+    for k, rs in records.items():
+        turns: dict[int, list[float]] = defaultdict(list)
+        for r in rs:
+            if r.measured and r.ttft_s is not None:
+                turns[r.turn].append(r.ttft_s)
+        by_turn[k] = turns
+    return [
+        str(ttft_cdf(ttfts, out / "ttft_cdf.png", f"TTFT CDF — {title}")),
+        str(ttft_by_turn(by_turn, out / "ttft_by_turn.png", f"TTFT by request index — {title}")),
+    ]
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="seed")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool")
+    p.add_argument("--peers", default="", help=f"peer routers: {', '.join(PEERS)} (or vllm-router/consistent_hash)")
+    p.add_argument("--find-capacity", action="store_true", help="bisect each router's capacity at the SLO")
+    p.add_argument("--slo-p99-ttft", type=float, default=2.0, help="p99 TTFT SLO in simulated seconds (capacity)")
+    p.add_argument("--capacity-steps", type=int, default=2, help="bisection steps after bracketing")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    p.add_argument("--time-scale", default="auto", help="wall seconds per simulated second, or 'auto'")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--load", type=float, default=None, help="override the scenario's offered load fraction")
+    p.add_argument("--warmup", type=float, default=None, help="override the warm-up (simulated s)")
+    p.add_argument("--window", type=float, default=None, help="override the measured window (simulated s)")
+    p.add_argument("--kv-capacity-tokens", type=int, default=None, help="per-worker KV capacity (default: profile's)")
+    p.add_argument("--guidellm", action="store_true", help="also run the GuideLLM recipe (random, cache_aware)")
+    p.add_argument("--out", required=True)
+    return p
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    entries = parse_entries(args.policies, args.peers)
+    scenario = SCENARIOS[args.scenario]
+    cost = build_cost_model(args.profile)
+    rates: Rates = derive_rates(scenario, args.workers, args.profile, cost, load=args.load)
+    time_scale = auto_time_scale(rates.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
+    kv_capacity = args.kv_capacity_tokens or cost.default_capacity_tokens
+    setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs")
+    workload = build_workload(
+        scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
+    )
+    bar = ProgressBar(sys.stderr.isatty())
+    routers: dict[str, dict[str, Any]] = {}
+    failed: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[harness.RequestRecord]] = {}
+    with (out / "requests.jsonl").open("w") as fh:
+        for i, entry in enumerate(entries):
+            bar.set(f"[{i + 1}/{len(entries)}] {entry.key:<22}")
+            entry_started = time.monotonic()
+            try:
+                summary, outcome = await run_entry(entry, workload, setup, bar)
+            except (RuntimeError, OSError, httpx.HTTPError) as exc:
+                # One router that cannot start (a peer failing to install, say) must not
+                # cost the others' measurements; its entry records why.
+                failed[entry.key] = {"kind": entry.kind, "policy": entry.policy, "pool": entry.pool, "error": str(exc)[:2000]}
+                continue
+            summary["entry_wall_s"] = time.monotonic() - entry_started
+            routers[entry.key] = summary
+            records[entry.key] = outcome.records
+            for r in outcome.records:
+                fh.write(orjson.dumps({"router": entry.key, **r.__dict__}).decode() + "\n")
+    if args.find_capacity:
+        for entry in (e for e in entries if e.key in routers):
+            try:
+                found = await find_capacity(
+                    entry, args.scenario, args.seed, rates.arrival_rate_per_s, args.slo_p99_ttft, setup,
+                    rates.output_tokens_per_session,
+                    None if args.time_scale == "auto" else time_scale, args.capacity_steps, bar,
+                )  # fmt: skip
+            except (RuntimeError, OSError, httpx.HTTPError) as exc:
+                found = {"capacity_sessions_per_s": None, "error": str(exc)[:2000]}
+            routers[entry.key]["capacity_sessions_per_s"] = found["capacity_sessions_per_s"]
+            routers[entry.key]["capacity"] = found
+    bar.done()
+    guide: dict[str, Any] | None = None
+    if args.guidellm:
+        from loadtests.guidellm_recipe import run_recipe
+
+        guide = await asyncio.to_thread(run_recipe, out / "guidellm", args.workers, time_scale, args.profile, args.seed)
+    plots = _plots(out, records, f"{args.scenario}, {args.workers} workers")
+    flags = {k: r["harness"]["bottleneck"]["flag"] for k, r in routers.items()}
+    results = {
+        "scenario": {
+            "name": scenario.name,
+            "description": scenario.description,
+            "arrival_rate_per_s": rates.arrival_rate_per_s,
+            "sessions": len(workload.sessions),
+            "warmup_s": workload.warmup_s,
+            "window_s": workload.window_s,
+            "grace_s": workload.grace_s,
+            "prepopulate_s": workload.prepopulate_s,
+            "spec": _spec_dict(scenario),
+            "rates": rates.to_dict(),
+        },
+        "config": {
+            "workers": args.workers,
+            "profile": args.profile,
+            "time_scale": time_scale,
+            "seed": args.seed,
+            "kv_capacity_tokens": kv_capacity,
+            "pool_capacity_tokens": POOL_CAPACITY_TOKENS,
+            "slo_p99_ttft_s": args.slo_p99_ttft if args.find_capacity else None,
+            "harness_tokens_per_wall_s": HARNESS_TOKENS_PER_WALL_S,
+        },
+        "routers": routers,
+        "failed": failed,
+        "comparison": comparison(routers),
+        "bottleneck": any(flags.values()),
+        "bottleneck_by_router": flags,
+        "guidellm": guide,
+        "plots": plots,
+        "wall_s": time.monotonic() - started,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_markdown(out / "results.md", results)
+    return results
+
+
+def _spec_dict(spec: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(spec)
+
+
+def one_line_summary(results: dict[str, Any], out: str) -> str:
+    keep = ("ttft_mean_s", "ttft_p99_s", "output_tok_per_s", "worker_hit_ratio", "predicted_hit_ratio", "capacity_sessions_per_s")
+    return json.dumps(
+        {
+            "out": out,
+            "scenario": results["scenario"]["name"],
+            "wall_s": round(results["wall_s"], 1),
+            "bottleneck": results["bottleneck"],
+            "failed": sorted(results["failed"]),
+            "routers": {
+                k: {f: (round(r[f], 4) if isinstance(r.get(f), float) else r.get(f)) for f in keep if f in r}
+                for k, r in results["routers"].items()
+            },
+            "comparison": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results["comparison"].items()},
+        },
+        separators=(",", ":"),
+    )
+
+
+def cli(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        parse_entries(args.policies, args.peers)
+    except ValueError as exc:
+        print(f"kvroute bench: {exc}", file=sys.stderr)
+        return 2
+    if args.time_scale != "auto":
+        try:
+            if float(args.time_scale) <= 0:
+                raise ValueError
+        except ValueError:
+            print("kvroute bench: --time-scale must be a positive number or 'auto'", file=sys.stderr)
+            return 2
+    results = asyncio.run(_main(args))
+    print(one_line_summary(results, args.out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""PNG plots of a bench run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from loadtests.harness import percentile
+
+
+def _pyplot():  # imported lazily: matplotlib is the `bench` extra, and slow to import
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
+    """Empirical CDF of TTFT per router, log-scaled time axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, values in ttfts.items():
+        xs = sorted(v for v in values if v > 0)
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=f"{name} (n={len(xs)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (simulated s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.axhline(0.99, color="grey", lw=0.6, ls=":")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ttft_by_turn(
+    by_turn: Mapping[str, Mapping[int, Sequence[float]]], path: Path, title: str, max_turn: int = 24
+) -> Path:
+    """Mean (solid) and p99 (dashed) TTFT against the request's index in its session."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, turns in by_turn.items():
+        idx = sorted(t for t in turns if t <= max_turn and turns[t])
+        if not idx:
+            continue
+        means = [sum(turns[t]) / len(turns[t]) for t in idx]
+        p99s = [percentile(turns[t], 99) for t in idx]
+        (line,) = ax.plot(idx, means, marker="o", ms=3, label=f"{name} mean")
+        ax.plot(idx, p99s, ls="--", color=line.get_color(), lw=0.8, label=f"{name} p99")
+    ax.set_yscale("log")
+    ax.set_xlabel("request index within the session (0 = first)")
+    ax.set_ylabel("time to first token (simulated s, log scale)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

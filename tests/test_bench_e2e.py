@@ -1,0 +1,108 @@
+"""A small `kvroute bench` end to end: 2 simulated workers, a short window, a fast clock.
+
+Checks the files it writes, the JSON schema, and that the figures agree with each other
+and with what the simulated workers counted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from loadtests.bench import cli
+
+pytestmark = pytest.mark.slow
+
+ROUTER_FIELDS = (
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_mean_s",
+    "output_tok_per_s",
+    "sessions_completed",
+    "predicted_hit_ratio",
+    "worker_hit_ratio",
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str, float]:
+    out = tmp_path_factory.mktemp("bench")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    t0 = time.monotonic()
+    with contextlib.redirect_stdout(buf):
+        code = cli(
+            [
+                "--scenario", "seed", "--workers", "2", "--policies", "random,cache_aware",
+                "--time-scale", "0.2", "--warmup", "12", "--window", "24", "--seed", "3",
+                "--out", str(out),
+            ]
+        )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert code == 0
+    return out, json.loads((out / "results.json").read_text()), buf.getvalue(), elapsed
+
+
+def test_it_writes_every_output_within_a_minute(run) -> None:
+    out, _, stdout, elapsed = run
+    assert elapsed < 60
+    for name in ("results.json", "results.md", "requests.jsonl", "ttft_cdf.png", "ttft_by_turn.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = stdout.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert set(summary["routers"]) == {"random", "cache_aware"}
+
+
+def test_results_json_schema(run) -> None:
+    _, results, _, _ = run
+    assert set(results["routers"]) == {"random", "cache_aware"}
+    for key, r in results["routers"].items():
+        for field in ROUTER_FIELDS:
+            assert field in r, (key, field)
+        assert r["requests_measured"] > 20
+        assert r["requests_failed"] == 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"]
+        assert r["ttft_mean_s"] > 0 and r["itl_mean_s"] > 0
+        assert r["output_tok_per_s"] == pytest.approx(1 / r["itl_mean_s"])
+        h = r["harness"]
+        assert set(h["bottleneck"]) >= {"flag", "reasons", "lag_threshold_s", "rule"}
+        assert h["cpu"]["process_cores_mean"].keys() == {"simulator", "router", "client"}
+        assert h["mean_step_s"] > 0
+    assert results["routers"]["random"]["pool"] is False
+    assert results["routers"]["cache_aware"]["pool"] is True
+    assert isinstance(results["bottleneck"], bool)
+    assert results["scenario"]["rates"]["workers"] == 2
+
+
+def test_figures_are_consistent(run) -> None:
+    _, results, _, _ = run
+    rnd, ca = results["routers"]["random"], results["routers"]["cache_aware"]
+    # Cache-aware routing over a shared pool reuses far more than random over plain workers.
+    assert ca["worker_hit_ratio"] > rnd["worker_hit_ratio"]
+    assert ca["computed_prompt_tokens"] < rnd["computed_prompt_tokens"]
+    # The router's prediction agrees with what the workers reused.
+    assert abs(ca["predicted_hit_ratio"] - ca["worker_hit_ratio"]) < 0.1
+    # Random does not consult the index, so it predicts nothing.
+    assert rnd["predicted_hit_ratio"] == 0.0
+    assert ca["route_reasons"].get("gpu_hit", 0) > 0
+    assert set(rnd["route_reasons"]) == {"random"}
+    assert ca["ttft_mean_s"] < rnd["ttft_mean_s"]
+    ratio = results["comparison"]["random_over_cache_aware_ttft_mean"]
+    assert ratio == pytest.approx(rnd["ttft_mean_s"] / ca["ttft_mean_s"])
+
+
+def test_requests_jsonl_matches_the_summary(run) -> None:
+    out, results, _, _ = run
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    for key, r in results["routers"].items():
+        measured = [x for x in rows if x["router"] == key and x["measured"]]
+        assert len(measured) == r["requests_measured"]
+        ttfts = sorted(x["ttft_s"] for x in measured if x["ttft_s"] is not None)
+        assert sum(ttfts) / len(ttfts) == pytest.approx(r["ttft_mean_s"])

@@ -1,0 +1,176 @@
+"""Pieces of `kvroute bench` that need no cluster: entries, scaling, verdicts, summaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.bench import (
+    MAX_AUTO_TIME_SCALE,
+    MIN_AUTO_TIME_SCALE,
+    Entry,
+    auto_time_scale,
+    comparison,
+    parse_entries,
+    summarize,
+)
+from loadtests.harness import (
+    RequestRecord,
+    RunOutcome,
+    bottleneck_verdict,
+    counters_delta,
+    metric_sum,
+    parse_prometheus,
+    percentile,
+    worker_hit_ratio,
+)
+
+
+def test_cache_blind_policies_run_without_the_pool_unless_told() -> None:
+    entries = {e.key: e for e in parse_entries("random,cache_aware,random+pool,cache_aware-nopool", "")}
+    assert entries["random"].pool is False
+    assert entries["cache_aware"].pool is True
+    assert entries["random+pool"].pool is True and entries["random+pool"].policy == "random"
+    assert entries["cache_aware-nopool"].pool is False
+
+
+def test_peers_expand_to_their_policies() -> None:
+    keys = [e.key for e in parse_entries("", "sglang-router,vllm-router")]
+    assert keys == ["sglang-router", "vllm-router", "vllm-router/consistent_hash"]
+    one = parse_entries("", "vllm-router/consistent_hash")
+    assert [(e.peer, e.policy, e.pool) for e in one] == [("vllm-router", "consistent_hash", True)]
+
+
+@pytest.mark.parametrize("bad", ["nope", "random,random", "random+pool,random+pool"])
+def test_bad_or_duplicate_entries_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_entries(bad, "")
+    with pytest.raises(ValueError):
+        parse_entries("", "haproxy")
+
+
+def test_auto_time_scale_follows_offered_tokens_within_bounds() -> None:
+    assert auto_time_scale(1.0) == MIN_AUTO_TIME_SCALE
+    assert auto_time_scale(1e9) == MAX_AUTO_TIME_SCALE
+    assert auto_time_scale(6000) > auto_time_scale(3000)
+
+
+def test_prometheus_parsing_sums_labelled_series() -> None:
+    text = (
+        "# HELP x\n"
+        'vllm:prefix_cache_hits_total{model_name="m",engine="0"} 30\n'
+        'vllm:prefix_cache_hits_total{model_name="m",engine="1"} 12.5\n'
+        'kvroute_requests_total{worker="w0",reason="gpu_hit",status="200"} 4\n'
+        'kvroute_requests_total{worker="w1",reason="miss",status="200"} 1\n'
+    )
+    parsed = parse_prometheus(text)
+    assert metric_sum(parsed, "vllm:prefix_cache_hits_total") == 42.5
+    assert metric_sum(parsed, "kvroute_requests_total", reason="gpu_hit") == 4
+
+
+def test_worker_hit_ratio_counts_gpu_and_pool_hits_over_the_run() -> None:
+    before = {"w0": {"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 50.0}}
+    after = {
+        "w0": {
+            "vllm:prefix_cache_queries_total": 1100.0,
+            "vllm:prefix_cache_hits_total": 650.0,
+            "vllm:external_prefix_cache_hits_total": 200.0,
+            "waiting": 3.0,
+        }
+    }
+    delta = counters_delta(before, after)
+    assert "waiting" not in delta
+    assert worker_hit_ratio(delta) == pytest.approx((600 + 200) / 1000)
+    assert worker_hit_ratio({}) is None
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile(list(range(1, 101)), 99) == 99
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+
+
+def _verdict(lag: float, probe: float, cores: float, busy: list[float] | None = None) -> dict:
+    cpu = {
+        "process_cores_mean": {"client": cores, "simulator": 0.2},
+        "system_cpu_saturated_fraction": (sum(1 for b in (busy or []) if b >= 95) / len(busy)) if busy else 0.0,
+    }
+    return bottleneck_verdict(
+        time_scale=0.5,
+        mean_step_s=0.04,
+        client_lag={"p99_s": lag},
+        probes={"simulator": {"p99_s": probe}},
+        cpu=cpu,
+        event_loop_processes=["client", "simulator"],
+    )
+
+
+def test_bottleneck_flag_follows_lag_cpu_and_machine_saturation() -> None:
+    # threshold = 1.0 × 40 ms × 0.5 = 20 ms of wall time
+    clean = _verdict(lag=0.002, probe=0.004, cores=0.3)
+    assert clean["flag"] is False and clean["lag_threshold_s"] == pytest.approx(0.02)
+    assert _verdict(lag=0.03, probe=0.004, cores=0.3)["flag"] is True
+    assert _verdict(lag=0.002, probe=0.05, cores=0.3)["flag"] is True
+    assert _verdict(lag=0.002, probe=0.004, cores=0.97)["flag"] is True
+    # A machine kept busy by others is a warning; it flags only with lag to show for it.
+    busy = _verdict(lag=0.002, probe=0.004, cores=0.3, busy=[100.0] * 3 + [50.0])
+    assert busy["flag"] is False and busy["warnings"]
+    assert _verdict(lag=0.015, probe=0.004, cores=0.3, busy=[100.0] * 3 + [50.0])["flag"] is True
+
+
+def _record(turn: int, ttft: float, measured: bool = True, tokens: int = 11, decode: float = 0.5, **kw) -> RequestRecord:
+    return RequestRecord(0, turn, "tool_call", measured, float(turn), 200, ttft, decode, tokens, **kw)
+
+
+def test_summary_figures_come_from_measured_requests_only() -> None:
+    records = [
+        _record(0, 1.0),
+        _record(1, 3.0),
+        _record(2, 100.0, measured=False),
+        _record(3, 2.0, censored=True, decode=None, tokens=0, error="cancelled"),
+    ]
+    outcome = RunOutcome(records, 3, 2, 0, 10.0, 20.0, 30.0, False, {"p99_s": 0.001})
+    delta = {"vllm:prefix_cache_queries_total": 10.0, "vllm:prefix_cache_hits_total": 5.0}
+    entry = Entry("cache_aware", "kvroute", "cache_aware", None, True)
+    router = parse_prometheus("kvroute_prompt_tokens_total 1000\nkvroute_predicted_cached_tokens_total 400\n")
+    s = summarize(entry, outcome, delta, {}, router)
+    assert s["requests_measured"] == 3
+    assert s["ttft_censored"] == 1
+    assert s["ttft_mean_s"] == pytest.approx(2.0)  # 1, 3 and the censored lower bound 2
+    assert s["itl_mean_s"] == pytest.approx(0.05)  # 0.5 s over 10 intervals
+    assert s["output_tok_per_s"] == pytest.approx(20.0)
+    assert s["predicted_hit_ratio"] == pytest.approx(0.4)
+    assert s["worker_hit_ratio"] == pytest.approx(0.5)
+    assert s["ttft_by_turn"]["1"]["mean_s"] == pytest.approx(3.0)
+
+
+def test_comparison_ratios() -> None:
+    def r(kind: str, mean: float, p99: float, **extra) -> dict:
+        return {"kind": kind, "ttft_mean_s": mean, "ttft_p99_s": p99, **extra}
+
+    routers = {
+        "random": r("kvroute", 4.0, 13.0, capacity_sessions_per_s=1.0),
+        "cache_aware": r("kvroute", 0.25, 1.0, capacity_sessions_per_s=3.5, predicted_hit_ratio=0.8, worker_hit_ratio=0.78),
+        "sglang-router": r("peer", 0.5, 2.0),
+    }
+    c = comparison(routers)
+    assert c["random_over_cache_aware_ttft_mean"] == pytest.approx(16.0)
+    assert c["random_over_cache_aware_ttft_p99"] == pytest.approx(13.0)
+    assert c["cache_aware_over_random_capacity"] == pytest.approx(3.5)
+    assert c["cache_aware_ttft_p99_le_sglang-router"] is True
+    assert c["cache_aware_p99_over_best_peer_p99"] == pytest.approx(0.5)
+    assert c["cache_aware_predicted_minus_worker_hit_ratio"] == pytest.approx(0.02)
+
+
+def test_progress_bar_draws_only_when_enabled(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtests.bench import ProgressBar
+
+    info = {"sim_s": 45.0, "end_s": 90.0, "requests": 120, "ttft_p50_s": 0.05}
+    off = ProgressBar(enabled=False)
+    off(info)
+    off.done()
+    assert capsys.readouterr().err == ""
+    on = ProgressBar(enabled=True)
+    on.set("[1/2] random")
+    on(info)
+    err = capsys.readouterr().err
+    assert err.startswith("\r[1/2] random") and "50%" in err and "0.05s" in err

