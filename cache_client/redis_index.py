@@ -301,9 +301,7 @@ class RedisBackend:
             try:
                 # Open the connections the next lookups will use (connecting costs several
                 # round trips), then require one more call to answer within budget.
-                await asyncio.wait_for(
-                    asyncio.gather(*(self.probe() for _ in range(max(self.warm_connections, 1)))), timeout=1.0
-                )
+                await self._warm_up()
                 t0 = time.perf_counter()
                 await asyncio.wait_for(self.probe(), timeout=1.0)
                 if time.perf_counter() - t0 <= self.budget_s:
@@ -316,6 +314,21 @@ class RedisBackend:
                 old, self._client = self._client, None
                 if old is not None:
                     await _close_client(old)
+
+    async def _warm_up(self) -> None:
+        """`warm_connections` probes at once (each on a connection of its own); raises the
+        first failure, or TimeoutError if they take more than a second."""
+        tasks = [asyncio.ensure_future(self.probe()) for _ in range(max(self.warm_connections, 1))]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=1.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+        failures = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+        if failures:
+            raise failures[0]
+        if pending:
+            raise asyncio.TimeoutError("redis probe timed out")
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         """A background task the backend keeps a reference to and cancels at close."""
@@ -357,6 +370,35 @@ def _pack_keys(keys: Sequence[PrefixKey]) -> bytes:
 def _pack_charges(key_tokens: Sequence[int]) -> bytes:
     return struct.pack(f">{len(key_tokens)}I", *[min(max(int(t), 1), _MAX_CHARGE) for t in key_tokens])
 
+
+def _unpack_depths(packed: bytes) -> dict[str, int]:
+    """A lookup script answer: per location, 2-byte name length, name, 4-byte depth."""
+    depths = {}
+    at, end = 0, len(packed)
+    while at < end:
+        (size,) = _U16.unpack_from(packed, at)
+        name = packed[at + 2 : at + 2 + size].decode()
+        (depths[name],) = _U32.unpack_from(packed, at + 2 + size)
+        at += 6 + size
+    return depths
+
+
+_EXPIRED: Any = object()
+
+
+def _expire_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+    # One more loop turn first: a reply that arrived in the turn the timer fired in is
+    # still being handed up through the client's callbacks.
+    loop.call_soon(_expire, fut)
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(_EXPIRED)
+
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
 
 Op = tuple[Any, ...]
 
@@ -608,8 +650,8 @@ class RedisIndex:
         try:
             result = await self._call(ops, "L", [chain for chain, _ in batch])
             self.stats["lookup_calls"] += 1
-            for i, flat in enumerate(result[1:]):
-                views[i] = IndexView({flat[j].decode(): int(flat[j + 1]) for j in range(0, len(flat), 2)})
+            for i, packed in enumerate(result[1:]):
+                views[i] = IndexView(_unpack_depths(packed))
             if time.perf_counter() - t0 <= self._backend.budget_s:
                 self._backend.succeeded()
         except Exception as exc:  # never fails a request: its lookup falls back to the mirror
@@ -638,26 +680,23 @@ class RedisIndex:
         if not self._backend.up or self._resyncing or len(self._lookups) > 8 * self._max_lookups_per_call:
             self.stats["fallback_lookups"] += 1
             return self._mirror.lookup_sync(keys)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
         self._lookups.append((_pack_keys(keys), fut))
         if self._lookup_calls < self._max_lookup_calls:
             self._send_lookups()
+        # The timer resolves the future instead of cancelling anything: the call goes on
+        # (its piggybacked writes still land), only this request stops waiting for it.
+        timer = loop.call_later(self._backend.budget_s, _expire_soon, loop, fut)
         try:
-            done, _ = await asyncio.wait((fut,), timeout=self._backend.budget_s)
-            if not done:
-                # The reply and the timer can land in the same loop turn; the timer runs first.
-                await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        if fut.done():
-            view = fut.result()
-            if view is not None:
-                self.stats["remote_lookups"] += 1
-                return view
-        else:
-            fut.cancel()  # left out of its call if not sent yet, its answer ignored if it was
+            view = await fut
+        finally:
+            timer.cancel()
+        if view is _EXPIRED:
             self._backend.over_budget()
+        elif view is not None:
+            self.stats["remote_lookups"] += 1
+            return view
         self.stats["fallback_lookups"] += 1
         return self._mirror.lookup_sync(keys)
 

@@ -48,6 +48,7 @@ from loadtests.harness import (
     parse_prometheus,
     percentile,
     scrape_workers,
+    sim_clock_ratio,
     worker_hit_ratio,
 )
 from loadtests.peers import PEERS, PeerRouter, parse_peer, result_key
@@ -231,6 +232,7 @@ async def _measure(
     loop_processes = ["simulator", "client"] + (["router"] if entry.kind == "kvroute" else [])
     async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
         before = await scrape_workers(client, cluster.worker_urls)
+        t_before = time.monotonic()
         router_before = parse_prometheus(await _router_metrics(router))
         monitor = ProcessMonitor(pids)
         probes = HttpProbes(
@@ -249,6 +251,7 @@ async def _measure(
             await queues.stop()
             await asyncio.to_thread(probes.stop)
             monitor.stop()
+        t_after = time.monotonic()
         after = await scrape_workers(client, cluster.worker_urls)
         router_after = parse_prometheus(await _router_metrics(router))
     delta = counters_delta(before, after)
@@ -263,6 +266,7 @@ async def _measure(
         probes=probe_readings,
         cpu=cpu,
         event_loop_processes=loop_processes,
+        sim_clock=sim_clock_ratio(before, after, t_after - t_before, setup.time_scale),
     )
     summary = summarize(entry, outcome, delta, router_before, router_after)
     summary["queues"] = queues.summary()

@@ -128,7 +128,7 @@ async def bench_lookup(url: str, conversations: int = 20_000, lookups: int = 20_
     out: dict[str, Any] = {"conversations": conversations, "lookups": lookups,
                            "mean_chain_keys": round(statistics.fmean(len(c) for c in chains), 1),
                            "locations": len(WORKERS) + 1}
-    for concurrency in (1, 32):
+    for concurrency in (1, 8, 32):
         runs: dict[str, list[float]] = {"memory": [], "redis": []}
         # Alternating halves, so that drift in the machine's load hits both alike.
         half = len(chains) // 2
@@ -207,7 +207,9 @@ async def bench_memory(server: RedisServer, blocks: int = 1_000_000, chain_keys:
 # -- (c) multi-replica affinity ---------------------------------------------------------------------
 def lookups_over_budget(metrics_texts: Sequence[str], budget_s: float = 0.005) -> dict[str, int]:
     """From the replicas' kvroute_index_lookup_seconds histograms: lookups, and those that
-    took longer than the budget (they were answered from the replica's local view)."""
+    took longer than the budget. An upper bound on the lookups answered from the local
+    view: a reply that arrives while the event loop is busy elsewhere also takes longer,
+    yet is used."""
     total = within = 0
     for text in metrics_texts:
         for line in text.splitlines():
@@ -215,7 +217,7 @@ def lookups_over_budget(metrics_texts: Sequence[str], budget_s: float = 0.005) -
                 total += int(float(line.split()[-1]))
             elif line.startswith(f'kvroute_index_lookup_seconds_bucket{{le="{budget_s:g}"}}'):
                 within += int(float(line.split()[-1]))
-    return {"lookups": total, "over_budget": total - within}
+    return {"lookups": total, "over_5ms": total - within}
 
 
 
@@ -274,7 +276,7 @@ def bench_outage(args: argparse.Namespace, log_dir: str) -> dict[str, Any]:
         cluster.worker_urls, 4, server.url, f"bench-outage-{uuid.uuid4().hex[:6]}", log_dir=logs,
     ) as replicas:
         load = ConversationLoad(replicas.urls, conversations=args.outage_conversations, turns=args.turns,
-                                arrival_rate=args.outage_conversations / (up_at + 10.0), think_s=args.think_s,
+                                arrival_rate=args.outage_conversations / (up_at + 15.0), think_s=args.think_s,
                                 seed=7)
 
         def chaos(t0: float) -> None:
@@ -332,7 +334,6 @@ def _environment() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
         "redis_server": version,
         "note": "shared 2-core machine: other work ran alongside; timings include that noise",
     }
@@ -349,7 +350,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--arrival-rate", type=float, default=6.0, help="conversations started per second")
     p.add_argument("--think-s", type=float, default=0.3)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--outage-conversations", type=int, default=150)
+    p.add_argument("--outage-conversations", type=int, default=200)
     p.add_argument("--outage-start-s", type=float, default=10.0)
     p.add_argument("--outage-s", type=float, default=10.0)
     args = p.parse_args(argv)
@@ -364,27 +365,27 @@ def cli(argv: list[str]) -> int:
     def save() -> None:
         path.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
 
-    if "lookup" in parts:
-        with RedisServer() as server:
-            # uvloop, as the router runs.
-            import uvloop
-
-            results["lookup"] = uvloop.run(bench_lookup(server.url))
+    def part(name: str, run) -> None:
+        before = [round(x, 2) for x in os.getloadavg()]
+        t0 = time.monotonic()
+        results[name] = run()
+        results[name]["machine"] = {"loadavg_before": before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                                    "seconds": round(time.monotonic() - t0, 1)}
         save()
-        print("lookup:", orjson.dumps(results["lookup"]).decode(), flush=True)
+        print(f"{name}:", orjson.dumps(results[name]).decode(), flush=True)
+
+    if "lookup" in parts:
+        import uvloop
+
+        with RedisServer() as server:
+            part("lookup", lambda: uvloop.run(bench_lookup(server.url)))  # uvloop, as the router runs
     if "memory" in parts:
         with RedisServer() as server:
-            results["memory"] = asyncio.run(bench_memory(server))
-        save()
-        print("memory:", orjson.dumps(results["memory"]).decode(), flush=True)
+            part("memory", lambda: asyncio.run(bench_memory(server)))
     if "replicas" in parts:
-        results["replicas"] = bench_replicas(args, log_dir)
-        save()
-        print("replicas:", orjson.dumps(results["replicas"]).decode(), flush=True)
+        part("replicas", lambda: bench_replicas(args, log_dir))
     if "outage" in parts:
-        results["outage"] = bench_outage(args, log_dir)
-        save()
-        print("outage:", orjson.dumps(results["outage"]).decode(), flush=True)
+        part("outage", lambda: bench_outage(args, log_dir))
     print(f"wrote {path} (router logs in {log_dir})")
     return 0
 

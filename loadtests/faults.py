@@ -126,6 +126,79 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
     return out
 
 
+class RawClient:
+    """One keep-alive HTTP/1.1 connection per virtual client, read with asyncio streams.
+
+    A few hundred concurrent httpx streams in one process cost more CPU than the router
+    they drive (httpx's pool is O(connections) per request): the load generator, not the
+    router, would set the pace and every timing would be its own lag.
+    """
+
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.wait_closed()
+
+    async def request(self, body: dict[str, Any], path: str = "/v1/chat/completions") -> Outcome:
+        out = Outcome(started_at=time.monotonic())
+        payload = orjson.dumps(body)
+        try:
+            if self._writer is None:
+                self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            reader, writer = self._reader, self._writer
+            assert reader is not None
+            writer.write(
+                b"POST " + path.encode() + b" HTTP/1.1\r\nhost: " + self.host.encode() + b"\r\n"
+                b"content-type: application/json\r\ncontent-length: " + str(len(payload)).encode()
+                + b"\r\n\r\n" + payload
+            )
+            status_line = await reader.readline()
+            if not status_line:
+                raise ConnectionResetError("closed before the status line")
+            out.status = int(status_line.split()[1])
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            out.worker = headers.get("x-kvroute-worker", "")
+            out.retry_after = headers.get("retry-after")
+            streaming = out.status == 200 and headers.get("content-type", "").startswith("text/event-stream")
+            tail = b""
+            if headers.get("transfer-encoding") == "chunked":
+                while True:
+                    size_line = await reader.readline()
+                    if not size_line:
+                        raise ConnectionResetError("closed mid-body")
+                    size = int(size_line.split(b";")[0], 16)
+                    data = await reader.readexactly(size + 2)
+                    if size == 0:
+                        break
+                    if streaming and out.first_byte_at is None:
+                        out.first_byte_at = time.monotonic()
+                    out.chunks += 1
+                    tail = (tail + data[:-2])[-512:]
+                    if b'data: {"error"' in tail:
+                        out.error_event = True
+            else:
+                tail = await reader.readexactly(int(headers.get("content-length", "0")))
+            out.done = b"data: [DONE]" in tail if streaming else True
+            if headers.get("connection", "").lower() == "close":
+                await self.close()
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
+            out.exception = type(exc).__name__
+            await self.close()
+        finally:
+            out.ended_at = time.monotonic()
+        return out
+
+
 def metrics(router: RouterProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
     return parse_prometheus(httpx.get(router.url + "/metrics", timeout=10).text)
 
@@ -136,6 +209,22 @@ def inflight(router: RouterProcess) -> float:
 
 def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def log_events(path: str | None) -> list[str]:
+    """The router's breaker, ejection and health lines (not the per-request warnings)."""
+    if not path or not os.path.exists(path):
+        return []
+    keep = ("circuit", "ejected", "is down", "is up", "outlier")
+    return [line.strip()[24:] for line in open(path, encoding="utf-8") if any(k in line for k in keep)][:60]
+
+
+def address_lines(path: str | None, urls: Any) -> int:
+    """Log lines naming a worker's URL or port: must be 0."""
+    if not path or not os.path.exists(path):
+        return 0
+    needles = [u for u in urls] + [":" + u.rsplit(":", 1)[1] for u in urls]
+    return sum(1 for line in open(path, encoding="utf-8") if any(n in line for n in needles))
 
 
 def counts(outcomes: list[Outcome]) -> dict[str, int]:
@@ -165,34 +254,35 @@ async def scenario_sigkill(concurrency: int, quick: bool) -> dict[str, Any]:
     marks: dict[str, float] = {}
     try:
         t0 = time.monotonic()
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
 
-            async def client_loop(i: int) -> None:
-                turn = 0
-                while time.monotonic() - t0 < duration:
-                    outcomes.append(await stream_one(client, router.url, chat(f"client {i} turn {turn} " * 300, 150)))
-                    turn += 1
+        async def client_loop(i: int) -> None:
+            raw = RawClient(router.port)
+            turn = 0
+            while time.monotonic() - t0 < duration:
+                outcomes.append(await raw.request(chat(f"client {i} turn {turn} " * 300, 150)))
+                turn += 1
+            await raw.close()
 
-            def chaos() -> None:
-                # A thread of its own: the clients' busy event loop would delay these marks.
-                time.sleep(kill_at)
-                marks["killed"] = time.monotonic()
-                victim.kill()
-                time.sleep(restart_at - kill_at)
-                victim.start()
-                marks["restarted"] = time.monotonic()
-                with httpx.Client(timeout=10) as poll:
-                    while time.monotonic() - t0 < duration + 30:
-                        parsed = parse_prometheus(poll.get(router.url + "/metrics").text)
-                        if metric_sum(parsed, "kvroute_worker_healthy", worker=victim.name) == 1:
-                            marks["healthy_again"] = time.monotonic()
-                            return
-                        time.sleep(0.02)
+        def chaos() -> None:
+            # A thread of its own: the clients' busy event loop would delay these marks.
+            time.sleep(kill_at)
+            marks["killed"] = time.monotonic()
+            victim.kill()
+            time.sleep(restart_at - kill_at)
+            victim.start()
+            marks["restarted"] = time.monotonic()
+            with httpx.Client(timeout=10) as poll:
+                while time.monotonic() - t0 < duration + 30:
+                    parsed = parse_prometheus(poll.get(router.url + "/metrics").text)
+                    if metric_sum(parsed, "kvroute_worker_healthy", worker=victim.name) == 1:
+                        marks["healthy_again"] = time.monotonic()
+                        return
+                    time.sleep(0.02)
 
-            chaos_thread = threading.Thread(target=chaos)
-            chaos_thread.start()
-            await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
-            await asyncio.to_thread(chaos_thread.join)
+        chaos_thread = threading.Thread(target=chaos)
+        chaos_thread.start()
+        await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
+        await asyncio.to_thread(chaos_thread.join)
         killed, restarted = marks["killed"], marks["restarted"]
         in_flight_at_kill = [o for o in outcomes if o.started_at < killed < o.ended_at]
         on_victim_at_kill = [o for o in in_flight_at_kill if o.worker == victim.name and o.first_byte_at and o.first_byte_at < killed]
@@ -224,6 +314,7 @@ async def scenario_sigkill(concurrency: int, quick: bool) -> dict[str, Any]:
             "router_retries": metric_sum(parsed, "kvroute_retries_total"),
             "router_stream_errors": metric_sum(parsed, "kvroute_stream_errors_total"),
             "router_inflight_after": metric_sum(parsed, "kvroute_worker_inflight"),
+            "router_log_lines_with_a_worker_address": address_lines(LOG_PATH.get("sigkill"), [w.url for w in workers]),
         }
     finally:
         await asyncio.to_thread(router.stop)
@@ -241,7 +332,8 @@ async def scenario_faults(concurrency: int, quick: bool) -> dict[str, Any]:
         "--first-byte-timeout-s", "2", "--health-interval-s", "1", "--outlier-interval-s", "5",
         "--outlier-min-requests", "10", "--breaker-open-s", "2", "--breaker-max-open-s", "10",
     ]  # fmt: skip
-    router = RouterProcess(cluster.worker_urls, policy="cache_aware", extra_args=args)
+    router = RouterProcess(cluster.worker_urls, policy="cache_aware", extra_args=[*args, "--log-level", "info"],
+                           log_path=LOG_PATH.get("faults"))
     await asyncio.to_thread(router.start)
     faults = {"w0": {"mode": "error500"}, "w1": {"mode": "hang"}, "w2": {"mode": "slow", "slow_factor": 20}}
     duration = 12.0 if quick else 30.0
@@ -254,10 +346,12 @@ async def scenario_faults(concurrency: int, quick: bool) -> dict[str, Any]:
             t0 = time.monotonic()
 
             async def client_loop(i: int) -> None:
+                raw = RawClient(router.port)
                 turn = 0
                 while time.monotonic() - t0 < duration:
-                    outcomes.append(await stream_one(client, router.url, chat(f"user {i} question {turn} " * 10, 32)))
+                    outcomes.append(await raw.request(chat(f"user {i} question {turn} " * 10, 32)))
                     turn += 1
+                await raw.close()
 
             await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
             for name in faults:
@@ -283,6 +377,8 @@ async def scenario_faults(concurrency: int, quick: bool) -> dict[str, Any]:
             "router_retries": metric_sum(parsed, "kvroute_retries_total"),
             "worker_healthy": {labels["worker"]: v for labels, v in parsed.get("kvroute_worker_healthy", [])},
             "circuit_open": {labels["worker"]: v for labels, v in parsed.get("kvroute_worker_circuit_open", [])},
+            "router_log_events": log_events(LOG_PATH.get("faults")),
+            "router_log_lines_with_a_worker_address": address_lines(LOG_PATH.get("faults"), cluster.worker_urls.values()),
         }
     finally:
         await asyncio.to_thread(router.stop)
@@ -377,10 +473,12 @@ async def scenario_overload(quick: bool) -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients + 10)) as client:
 
             async def client_loop(i: int) -> None:
+                raw = RawClient(router.port)
                 turn = 0
                 while time.monotonic() - t0 < duration:
-                    outcomes.append(await stream_one(client, router.url, chat(f"user {i} turn {turn} " * 30, 64)))
+                    outcomes.append(await raw.request(chat(f"user {i} turn {turn} " * 30, 64)))
                     turn += 1
+                await raw.close()
 
             async def sample() -> None:
                 while time.monotonic() - t0 < duration:
@@ -423,6 +521,14 @@ async def scenario_overload(quick: bool) -> dict[str, Any]:
 # -- command line ---------------------------------------------------------------------------
 
 
+def run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for faults.json")
@@ -441,13 +547,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         print(f"== {name}", flush=True)
         if name == "sigkill":
-            result = asyncio.run(scenario_sigkill(args.concurrency, args.quick))
+            result = run(scenario_sigkill(args.concurrency, args.quick))
         elif name == "faults":
-            result = asyncio.run(scenario_faults(40, args.quick))
+            result = run(scenario_faults(40, args.quick))
         elif name == "disconnect":
             result = scenario_disconnect(args.disconnects)
         elif name == "overload":
-            result = asyncio.run(scenario_overload(args.quick))
+            result = run(scenario_overload(args.quick))
         else:
             raise SystemExit(f"unknown scenario {name!r}")
         result["wall_s"] = time.monotonic() - t0

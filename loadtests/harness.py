@@ -67,6 +67,7 @@ WORKER_COUNTERS = (
     "vllm:time_to_first_token_seconds_count",
     "sim:computed_prompt_tokens_total",
     "sim:busy_seconds_total",
+    "sim:simulated_seconds",
 )
 
 
@@ -96,10 +97,29 @@ def counters_delta(before: dict[str, dict[str, float]], after: dict[str, dict[st
     for name, values in after.items():
         base = before.get(name, {})
         for key, value in values.items():
-            if key in ("waiting", "running"):
+            if key in ("waiting", "running", "sim:simulated_seconds"):
                 continue
             total[key] = total.get(key, 0.0) + value - base.get(key, 0.0)
     return total
+
+
+def sim_clock_ratio(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], wall_s: float, time_scale: float
+) -> float | None:
+    """Simulated seconds the slowest worker advanced ÷ those the wall clock allowed.
+
+    A worker's runner keeps its simulated clock on schedule, and when its process falls
+    too far behind (CPU starved) it gives the lost time up rather than counting it: its
+    clock then advances less than wall ÷ time scale, and the client, which keeps the wall
+    clock, has in effect sent it more load than the scenario specifies.
+    """
+    if wall_s <= 0:
+        return None
+    ratios = []
+    for name, values in after.items():
+        if name in before and "sim:simulated_seconds" in values:
+            ratios.append((values["sim:simulated_seconds"] - before[name]["sim:simulated_seconds"]) / (wall_s / time_scale))
+    return min(ratios) if ratios else None
 
 
 def worker_hit_ratio(delta: dict[str, float]) -> float | None:
@@ -303,6 +323,8 @@ tokens a step late: it, not the simulated GPU, sets the pace of what is measured
 LOOP_PROCESS_SATURATED_CORES = 0.9
 """One asyncio process (the simulator, kvroute, this client) can use one core; at 90% of it
 on average its loop is queueing work."""
+SIM_CLOCK_MIN_RATIO = 0.97
+"""The simulator must keep at least 97% of real time (see `sim_clock_ratio`)."""
 SYSTEM_SATURATED_PERCENT = 95.0
 SYSTEM_SATURATED_FRACTION = 0.25
 """The machine is saturated if a quarter of the samples show every core busy."""
@@ -316,8 +338,11 @@ def bottleneck_verdict(
     probes: dict[str, dict[str, Any]],
     cpu: dict[str, Any],
     event_loop_processes: Sequence[str],
+    sim_clock: float | None = None,
 ) -> dict[str, Any]:
     reasons: list[str] = []
+    if sim_clock is not None and sim_clock < SIM_CLOCK_MIN_RATIO:
+        reasons.append(f"the simulator's clock fell behind: it simulated {sim_clock:.1%} of the run's time")
     threshold = LAG_FRACTION * mean_step_s * time_scale if mean_step_s else None
     if threshold is not None:
         lag = client_lag.get("p99_s")
@@ -346,8 +371,10 @@ def bottleneck_verdict(
         "reasons": reasons,
         "warnings": warnings,
         "lag_threshold_s": threshold,
+        "sim_clock_ratio": sim_clock,
         "rule": (
-            f"flag if the client's loop lag p99 or a probe's latency p99 exceeds {LAG_FRACTION} × mean simulated "
+            f"flag if a simulated worker's clock advanced less than {SIM_CLOCK_MIN_RATIO:.0%} of wall time ÷ time "
+            f"scale, if the client's loop lag p99 or a probe's latency p99 exceeds {LAG_FRACTION} × mean simulated "
             f"step × time scale, if an event-loop process averages ≥ {LOOP_PROCESS_SATURATED_CORES} cores, or if "
             f"≥ {SYSTEM_SATURATED_FRACTION:.0%} of CPU samples show ≥ {SYSTEM_SATURATED_PERCENT}% machine-wide "
             "while the client's lag p99 exceeds half that threshold"
@@ -418,6 +445,7 @@ async def _stream_one(
     record: RequestRecord,
     t0: float,
     scale: float,
+    stop_at: list[float],
 ) -> None:
     loop = asyncio.get_running_loop()
     sent = t0 + record.sent_s * scale
@@ -472,8 +500,11 @@ async def _stream_one(
                             last = now
     except asyncio.CancelledError:
         if first is None:
+            # Cancelled when the run stopped: the wait so far is a lower bound of its TTFT.
+            # Measured to the stop time, not to when this task got round to handling its
+            # cancellation (hundreds of streams are torn down at once).
             record.censored = True
-            record.ttft_s = (loop.time() - sent) / scale
+            record.ttft_s = (min(loop.time(), stop_at[0]) - sent) / scale
         raise
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -497,6 +528,7 @@ async def drive(
     scale = time_scale
     warmup, window_end = workload.warmup_s, workload.window_end_s
     records: list[RequestRecord] = []
+    stop_at = [math.inf]
     state = {"completed": 0, "failed": 0, "started": 0, "in_flight_measured": 0}
     drained = asyncio.Event()
     lag = LoopLag()
@@ -531,7 +563,7 @@ async def drive(
                 if measured:
                     state["in_flight_measured"] += 1
                 try:
-                    await _stream_one(client, path, orjson.dumps(body), headers, rec, t0, scale)
+                    await _stream_one(client, path, orjson.dumps(body), headers, rec, t0, scale, stop_at)
                 finally:
                     if measured:
                         state["in_flight_measured"] -= 1
@@ -571,14 +603,16 @@ async def drive(
             await asyncio.wait_for(drained.wait(), timeout=workload.grace_s * scale)
         except TimeoutError:
             grace_expired = True
-        end = loop.time()
+        end = stop_at[0] = loop.time()
+        # Stop the lag probe first: tearing hundreds of streams down stalls the loop, and
+        # that happens after everything measured.
+        await lag.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reporter
-        await lag.stop()
     return RunOutcome(
         records=records,
         sessions_started=state["started"],

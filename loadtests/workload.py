@@ -31,6 +31,7 @@ sessions; see `derive_rates` and docs/benchmark.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -732,11 +733,13 @@ def build_workload(
     sessions: list[Session] = []
     t = -prepop
     end = warmup + window
-    while True:
+    # Every arrival gets its own index, also those that end before time 0 and are dropped:
+    # the index seeds the session's content, so reusing it would redraw the same session.
+    for index in itertools.count():
         t += rng.expovariate(rate_per_s)
         if t >= end:
             break
-        s = make_session(seed, scenario, len(sessions), arrival_s=t)
+        s = make_session(seed, scenario, index, arrival_s=t)
         if t < 0:
             group = groups.get(s.group) if s.group is not None else None
             starts = zero_load_timeline(s, session_tokens(s, group), cost)

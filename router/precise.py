@@ -377,17 +377,36 @@ def _tool_call(call: Any) -> dict[str, Any]:
 
 
 def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    converted = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
-    # vLLM then merges consecutive leading system messages into one.
-    merged: list[dict[str, Any]] = []
-    for m in converted:
-        if merged and m["role"] == "system" and merged[-1]["role"] == "system" and all(
-            x["role"] == "system" for x in merged
-        ) and isinstance(m["content"], str) and isinstance(merged[-1]["content"], str):
-            merged[-1] = {**merged[-1], "content": merged[-1]["content"] + "\n\n" + m["content"]}
-        else:
-            merged.append(m)
-    return merged
+    """vLLM's `_convert_developer_to_system` + `_consolidate_system_messages`."""
+    converted = []
+    for m in conversation:
+        if m["role"] == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        converted.append(m)
+    # Every system message merged into one at position 0 (some templates require it
+    # first), unless there is only one and it already is first.
+    contents: list[str] = []
+    rest: list[dict[str, Any]] = []
+    needs = False
+    for i, m in enumerate(converted):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        if i > 0 or contents:
+            needs = True
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, Mapping) else p
+                for p in content
+                if (isinstance(p, Mapping) and "text" in p) or isinstance(p, str)
+            )
+        if content:
+            contents.append(content)
+    if not needs:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(contents)}, *rest]
 
 
 # -- the chain builder ----------------------------------------------------------------------

@@ -174,3 +174,22 @@ def test_progress_bar_draws_only_when_enabled(capsys: pytest.CaptureFixture[str]
     on(info)
     err = capsys.readouterr().err
     assert err.startswith("\r[1/2] random") and "50%" in err and "0.05s" in err
+
+
+def test_a_simulator_falling_behind_real_time_flags_the_run() -> None:
+    from loadtests.harness import sim_clock_ratio
+
+    before = {"w0": {"sim:simulated_seconds": 10.0}, "w1": {"sim:simulated_seconds": 10.0}}
+    after = {"w0": {"sim:simulated_seconds": 110.0}, "w1": {"sim:simulated_seconds": 90.0}}
+    # 50 wall seconds at time scale 0.5 allow 100 simulated seconds; w1 managed 80.
+    assert sim_clock_ratio(before, after, 50.0, 0.5) == pytest.approx(0.8)
+    verdict = bottleneck_verdict(
+        time_scale=0.5, mean_step_s=0.04, client_lag={"p99_s": 0.001}, probes={}, cpu={},
+        event_loop_processes=[], sim_clock=0.8,
+    )  # fmt: skip
+    assert verdict["flag"] is True and "fell behind" in verdict["reasons"][0]
+    ok = bottleneck_verdict(
+        time_scale=0.5, mean_step_s=0.04, client_lag={"p99_s": 0.001}, probes={}, cpu={},
+        event_loop_processes=[], sim_clock=0.995,
+    )  # fmt: skip
+    assert ok["flag"] is False

@@ -176,9 +176,14 @@ def test_hot_prefix_shares_one_long_system_prompt() -> None:
 
 
 def test_runs_start_in_steady_state() -> None:
-    wl = build_workload(SEED, 1, 1.2, warmup_s=20, window_s=30)
+    rates = derive_rates(SEED, 8)
+    wl = build_workload(SEED, 1, rates.arrival_rate_per_s, warmup_s=20, window_s=30)
     under_way = [s for s in wl.sessions if s.start_turn > 0]
     assert under_way, "sessions already under way at time 0 join mid-conversation"
+    # Little's law: about rate × mean session duration are active at any time, so also at 0.
+    active_at_0 = [s for s in wl.sessions if s.arrival_s < 0]
+    assert len(active_at_0) == pytest.approx(rates.expected_concurrent_sessions, rel=0.35)
+    assert len({s.index for s in wl.sessions}) == len(wl.sessions)
     assert all(s.start_s >= 0 for s in wl.sessions)
     assert all(s.arrival_s < wl.window_end_s for s in wl.sessions)
     assert wl.prepopulate_s > 60

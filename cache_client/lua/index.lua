@@ -20,8 +20,9 @@
 --   "E" loc keys               evict
 --   "D" loc                    drop the location
 --   "C" loc cap                set the capacity
--- Returns {epoch, {name1, depth1, name2, depth2, ...} per chain} for "L",
--- {epoch, name1, tokens1, ...} for "U", {epoch} otherwise.
+-- Returns {epoch, one string per chain} for "L" (per location holding the chain's first
+-- key: 2-byte name length, name, 4-byte depth, all big-endian), {epoch, name1, tokens1, ...}
+-- for "U", {epoch} otherwise.
 
 local T = ARGV[1]
 local ttl_us = tonumber(ARGV[2])
@@ -141,7 +142,7 @@ end
 local function lookup(locs, chain)
   local found = {}
   local n = #chain / 8
-  if n == 0 then return found end
+  if n == 0 then return '' end
   local keys = {}
   for k = 1, n do keys[k] = string.sub(chain, k * 8 - 7, k * 8) end
   for _, loc in ipairs(locs) do
@@ -163,11 +164,11 @@ local function lookup(locs, chain)
       from = to + 1
     end
     if depth > 0 then
-      found[#found + 1] = loc
-      found[#found + 1] = depth
+      found[#found + 1] = struct.pack('>I2', #loc) .. loc .. struct.pack('>I4', depth)
     end
   end
-  return found
+  -- One string per chain: the client parses one reply element instead of two per location.
+  return table.concat(found)
 end
 
 local nchains = tonumber(ARGV[6])

@@ -70,6 +70,12 @@ CHAT_CASES: dict[str, dict[str, Any]] = {
     },
     "no_generation_prompt": {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
     "developer_role": {"messages": [{"role": "developer", "content": "dev rules"}, {"role": "user", "content": "go"}]},
+    # Developer turned system, then every system message merged into the first.
+    "system_and_developer": {"messages": [
+        {"role": "system", "content": "sys rules"}, {"role": "user", "content": "a"},
+        {"role": "developer", "content": [{"type": "text", "text": "dev"}, {"type": "text", "text": "rules"}]},
+        {"role": "user", "content": "go"},
+    ]},
 }
 
 COMPLETION_CASES: dict[str, dict[str, Any]] = {
@@ -103,8 +109,7 @@ def tokenizer_digest(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def main(argv: list[str]) -> int:
-    url, model_dir, out = argv[0].rstrip("/"), argv[1], Path(argv[2])
+def write_fixture(url: str, model_dir: str | Path, out: Path) -> None:
     import httpx
 
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -115,7 +120,11 @@ def main(argv: list[str]) -> int:
         **capture(url, model),
     }
     out.write_text(json.dumps(doc, indent=0) + "\n")
-    print(f"wrote {out}")
+
+
+def main(argv: list[str]) -> int:
+    write_fixture(argv[0].rstrip("/"), argv[1], Path(argv[2]))
+    print(f"wrote {argv[2]}")
     return 0
 
 

@@ -53,12 +53,10 @@ from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES
 
 BLOCK = 32
 """vLLM's CPU attention needs block sizes that are multiples of 32."""
-WORKER_BLOCKS = 640
-"""KV capacity per worker (×32 = 20,480 tokens): holds half of workload (b)'s
-conversations (≈2.8k tokens each at the end), not all of them (≈34k), so where a
-conversation goes decides whether its history is still there. Blocks are only evicted
-when new ones are needed: a worker that sees every conversation (random routing) keeps
-about 60% of them."""
+WORKER_BLOCKS = 520
+"""KV capacity per worker (×32 = 16,640 tokens): holds half of workload (b)'s
+conversations (≈2.4k tokens each at the end, with room for an uneven split), not all of
+them (≈29k), so where a conversation goes decides whether its history is still there."""
 POOL_GB = 0.125
 """LMCache L1: 32 chunks of 256 tokens (16 KiB of KV per token for the tiny model), ≈8k
 tokens: the sequential phases (a), (c) fit, workload (b) does not."""
@@ -336,14 +334,14 @@ class Conversation:
 
     def reply(self) -> None:
         self.turn += 1
-        if self.turn % 3 == 0:
+        if self.turn % 4 == 0:
             call_id = f"call_{self.turn}"
             self.messages.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": call_id, "type": "function",
                  "function": {"name": "search_docs", "arguments": json.dumps({"query": text(self.rng, 3), "limit": 5})}}]})
-            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text(self.rng, 40)})
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text(self.rng, 25)})
         else:
-            self.messages.append({"role": "assistant", "content": text(self.rng, 15)})
+            self.messages.append({"role": "assistant", "content": text(self.rng, 6)})
 
 
 @dataclass
@@ -375,7 +373,7 @@ def send(url: str, body: dict[str, Any], client: httpx.Client) -> Result:
 
 def run_workload(
     url: str, conversations: int, turns: int, seed: int, system_words: int, user_words: int, clients: int,
-    task_words: int,
+    task_words: int, shared_system: bool,
 ) -> list[Result]:
     """`conversations` live conversations served round-robin by `clients` parallel clients.
 
@@ -389,7 +387,9 @@ def run_workload(
     lock = threading.Lock()
     errors: list[BaseException] = []
     ready = deque(
-        Conversation.new(seed * 1000 + i, system_words, shared_seed=seed, task_words=task_words)
+        Conversation.new(
+            seed * 1000 + i, system_words, shared_seed=seed if shared_system else None, task_words=task_words
+        )
         for i in range(conversations)
     )
 
@@ -446,7 +446,7 @@ def phase_policy(stack: Stack, policy: str, args: argparse.Namespace) -> dict[st
         t0 = time.monotonic()
         results = run_workload(
             url, args.conversations, args.turns, args.seed, args.system_words, args.user_words, args.clients,
-            args.task_words,
+            args.task_words, args.shared_system,
         )
         wall = time.monotonic() - t0
         after = {w.name: worker_counters(w) for w in stack.workers}
@@ -578,16 +578,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("vllm-e2e-report.json"))
     ap.add_argument("--logdir", type=Path, default=None)
     ap.add_argument("--conversations", type=int, default=12)
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--task-words", type=int, default=300, help="each conversation's own opening task in (b)")
-    ap.add_argument("--clients", type=int, default=2, help="requests in flight in workload (b)")
-    ap.add_argument("--system-words", type=int, default=300)
-    ap.add_argument("--user-words", type=int, default=25)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--task-words", type=int, default=0, help="each conversation's own opening task in (b)")
+    ap.add_argument("--shared-system", action="store_true",
+                    help="(b) conversations share one system prompt (agents of one deployment)")
+    ap.add_argument("--clients", type=int, default=1, help="requests in flight in workload (b)")
+    ap.add_argument("--system-words", type=int, default=400)
+    ap.add_argument("--user-words", type=int, default=10)
     ap.add_argument("--seq-system-words", type=int, default=150, help="system prompt of (a), (c) conversations")
     ap.add_argument("--a-conversations", type=int, default=3)
     ap.add_argument("--a-turns", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-policies", action="store_true", help="only exactness, (a) and (c)")
+    ap.add_argument("--capture-tokenize", type=Path, default=None,
+                    help="also write the workers' /tokenize answers as tests/fixtures/vllm_tokenize.json")
     args = ap.parse_args(argv)
 
     logdir = args.logdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"kvroute-vllm-e2e-{os.getpid()}"
@@ -608,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
         report["startup_s"] = round(time.monotonic() - t_start, 1)
         report["versions"] = {"vllm": httpx.get(w1.url + "/version").json().get("version")}
         report["exactness"] = phase_exactness(stack, "")
+        if args.capture_tokenize:
+            from loadtests.vllm_e2e.cases import write_fixture
+
+            write_fixture(w1.url, args.model, args.capture_tokenize)
         if not args.skip_policies:
             random_run = phase_policy(stack, "random", args)
             precise_run = phase_policy(stack, "cache_aware", args)
