@@ -211,6 +211,17 @@ class Proxy:
     ) -> tuple[RouteDecision, PrefixChain]:
         """Everything between a parsed body and a worker: the part `/debug/route` explains."""
         candidates = self._candidates(model)
+        if kind is None:
+            chain, view = _EMPTY_CHAIN, EMPTY_VIEW
+        else:
+            chain = self.chains.build(body, kind)
+            view = EMPTY_VIEW
+            if self.policy.uses_index:
+                t0 = time.perf_counter()
+                view = await self.index.lookup(chain.keys)
+                self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
+        # Loads are read after the lookup: requests arriving while it awaits (a Redis round
+        # trip) must see each other's tickets, or a burst all lands on one worker.
         loads = self.loads.snapshot([w.name for w in candidates])
         if self.fleet.scrape_metrics:
             # The engines' own queues also count requests of other routers sharing them.
@@ -219,14 +230,7 @@ class Proxy:
                 for load, w in zip(loads, candidates, strict=True)
             ]
         if kind is None:
-            return _EMBEDDINGS_POLICY.choose(RouteRequest(_EMPTY_CHAIN), EMPTY_VIEW, loads, self.cost), _EMPTY_CHAIN
-        chain = self.chains.build(body, kind)
-        if self.policy.uses_index:
-            t0 = time.perf_counter()
-            view = await self.index.lookup(chain.keys)
-            self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
-        else:
-            view = EMPTY_VIEW
+            return _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost), chain
         request = RouteRequest(chain, session_key)
         return self.policy.choose(request, view, loads, self.cost), chain
 

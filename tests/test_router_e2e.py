@@ -12,6 +12,7 @@ import pytest
 from loadtests.affinity import own_system, run_conversations, shared_system
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from router.workers import parse_vllm_gauges
 
 MODEL = "sim-llama3-8b"
 
@@ -143,7 +144,13 @@ def test_scraped_engine_queue_steers_least_loaded() -> None:
                 async with httpx.AsyncClient(timeout=60) as client:
                     body = {"model": MODEL, "messages": [{"role": "user", "content": "long " * 30_000}], "max_tokens": 1}
                     tasks = [asyncio.create_task(client.post(busy + "/v1/chat/completions", json=body)) for _ in range(12)]
-                    await asyncio.sleep(0.6)  # a few health rounds see w0's waiting queue
+                    deadline = asyncio.get_running_loop().time() + 30
+                    while asyncio.get_running_loop().time() < deadline:
+                        gauges = parse_vllm_gauges((await client.get(busy + "/metrics")).text)
+                        if gauges.get("vllm:num_requests_waiting", 0) >= 2:
+                            break
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(1.0)  # several health rounds (0.2 s) scrape the queue
                     picks = []
                     for _ in range(4):
                         r = await client.post(router.url + "/v1/chat/completions",
