@@ -322,6 +322,7 @@ def summarize(
     worker_ttft_n = delta.get("vllm:time_to_first_token_seconds_count", 0.0)
     worker_ttft_mean = delta.get("vllm:time_to_first_token_seconds_sum", 0.0) / worker_ttft_n if worker_ttft_n else None
     all_tokens = sum(r.completion_tokens for r in outcome.records)
+    all_ttfts = [r.ttft_s for r in outcome.records if r.ttft_s is not None and not r.censored]
     per_worker: dict[str, int] = defaultdict(int)
     for r in measured:
         if r.worker:
@@ -353,7 +354,11 @@ def summarize(
             else None
         ),
         "worker_ttft_mean_s": worker_ttft_mean,
-        "client_minus_worker_ttft_mean_s": (_mean(ttfts) - worker_ttft_mean) if ttfts and worker_ttft_mean is not None else None,
+        # Same population on both sides: every request of the run (the workers' histogram
+        # cannot tell measured requests from warm-up ones).
+        "client_minus_worker_ttft_mean_s": (
+            _mean(all_ttfts) - worker_ttft_mean if all_ttfts and worker_ttft_mean is not None else None
+        ),
         "ttft_mean_first_half_s": _mean(first_half),
         "ttft_mean_second_half_s": _mean(second_half),
         "computed_prompt_tokens": delta.get("sim:computed_prompt_tokens_total"),
@@ -525,7 +530,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
             f"- {key}: mean step {_fmt(h['mean_step_s'], 4)} s, lag threshold "
             f"{_fmt(h['bottleneck']['lag_threshold_s'], 4)} s, client lag p99 {_fmt(lag, 4)} s, "
             f"probe p99 simulator {_fmt(h['probes']['simulator']['p99_s'], 4)} s / router "
-            f"{_fmt(h['probes']['router']['p99_s'], 4)} s, machine CPU mean "
+            f"{_fmt(h['probes']['router']['p99_s'], 4)} s, simulator clock kept "
+            f"{_fmt(h['bottleneck'].get('sim_clock_ratio'))} of real time, machine CPU mean "
             f"{_fmt(h['cpu']['system_cpu_mean_percent'], 0)}% — flag reasons: {reasons}"
         )
     if results.get("guidellm"):

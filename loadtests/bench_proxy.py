@@ -514,6 +514,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         (("chunks_per_cpu_s",), "SSE chunks per router CPU second (unpaced)"),
     ]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    # One colour per router in every panel, whether or not it has a point there.
+    colours = {name: f"C{i}" for i, name in enumerate(results["routers"])}
     for ax, ((key,), title) in zip(axes.flat, panels, strict=True):
         for name, levels in results["routers"].items():
             xs, ys = [], []
@@ -522,12 +524,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
                     xs.append(int(level[1:]))
                     ys.append(figs[key])
             if xs:
-                ax.plot(xs, ys, marker="o", label=name)
+                ax.plot(xs, ys, marker="o", label=name, color=colours[name])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        ax.set_yscale("symlog" if key == "added_p50_ms" else "log")
+        if key == "added_p50_ms":
+            ax.set_yscale("symlog", linthresh=0.1)
+            ax.set_ylim(bottom=0)
+        else:
+            ax.set_yscale("log")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle("kvroute bench-proxy: router overhead on a fast upstream")
     fig.tight_layout()

@@ -373,6 +373,10 @@ async def scenario_faults(concurrency: int, quick: bool) -> dict[str, Any]:
             "served_by": served,
             "served_by_second_half": {w: sum(1 for o in late if o.worker == w) for w in sorted(served)},
             "time_to_first_byte_s": {"p50": percentile(ttfb, 50), "p99": percentile(ttfb, 99), "max": max(ttfb, default=None)},
+            "time_to_first_byte_p50_by_worker_s": {
+                w: percentile([o.first_byte_at - o.started_at for o in outcomes if o.worker == w and o.first_byte_at], 50)
+                for w in sorted(served)
+            },
             "request_s": {"p50": percentile(total, 50), "p99": percentile(total, 99), "max": max(total, default=None)},
             "router_retries": metric_sum(parsed, "kvroute_retries_total"),
             "worker_healthy": {labels["worker"]: v for labels, v in parsed.get("kvroute_worker_healthy", [])},

@@ -108,3 +108,35 @@ def test_unmodelled_inputs_fall_back_to_estimates(tok: ModelTokenizer) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
     chain = builder.build(body, "chat")
     assert builder.fallbacks == 1 and len(chain.keys) == 2  # the estimate chain: tools + 1 message
+
+
+def test_precise_flags_travel_through_the_environment(model_dir: Path) -> None:
+    from router.precise import PreciseMode, precise_from_env, take_precise_flags
+
+    env: dict[str, str] = {}
+    rest = take_precise_flags(
+        ["--worker", "w1=http://h:1", "--tokenizer", str(model_dir), "--block-size=32", "--hash-algo", "sha256_cbor",
+         "--kv-events", "w1=tcp://h:5557,replay=tcp://h:5558", "--kv-events", "w2=tcp://g:5557",
+         "--no-kv-events-discover", "--policy", "cache_aware"],
+        env,
+    )
+    assert rest == ["--worker", "w1=http://h:1", "--policy", "cache_aware"]
+    mode = precise_from_env(env)
+    assert isinstance(mode, PreciseMode) and mode.records_on_route is False
+    assert mode.hasher is not None and (mode.hasher.block_size, mode.hasher.algo) == (32, "sha256_cbor")
+    assert [(s.worker, s.replay_endpoint) for s in mode._given_sources] == [("w1", "tcp://h:5558"), ("w2", None)]
+    assert mode._discover is False
+    assert precise_from_env({}) is None
+    with pytest.raises(SystemExit):
+        precise_from_env({"KVROUTE_TOKENIZER": str(model_dir), "KVROUTE_HASH_ALGO": "xxhash"})
+    with pytest.raises(SystemExit):
+        precise_from_env({"KVROUTE_KV_EVENTS": "w1=tcp://h:1"})
+
+
+def test_without_a_block_size_precise_mode_waits_for_the_workers(model_dir: Path) -> None:
+    from router.precise import precise_from_env
+
+    mode = precise_from_env({"KVROUTE_TOKENIZER": str(model_dir)})
+    assert mode is not None and mode.hasher is None
+    chain = mode.build({"model": "tiny", "prompt": "x " * 100}, "completion")
+    assert mode.fallbacks == 1 and chain.keys  # estimate chain until cache_config_info is read

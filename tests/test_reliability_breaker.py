@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 import httpx
 
 from loadtests.routerproc import RouterProcess
-from router.breaker import CLOSED, HALF_OPEN, OPEN, BreakerSettings, CircuitBreaker, OutlierDetector, OutlierSettings
+from router.breaker import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    BreakerSettings,
+    CircuitBreaker,
+    OutlierDetector,
+    OutlierSettings,
+)
 from tests.upstream import RecordingUpstream, UpstreamBehaviour
 
 

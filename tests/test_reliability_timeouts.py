@@ -71,7 +71,7 @@ def test_total_timeout_bounds_a_stream_that_keeps_sending() -> None:
 class _ModelsHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         body = b'{"object": "list", "data": [{"id": "rec-model", "object": "model"}]}'
         self.send_response(200)
         self.send_header("content-type", "application/json")

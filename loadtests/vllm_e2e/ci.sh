@@ -24,7 +24,9 @@ if ! "$PY" -c "import tokenizers, jinja2" 2>/dev/null; then
     "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[precise]"
 fi
 status=0
-"$PY" -m loadtests.vllm_e2e.run_e2e --venv "$VENV" --model "$MODEL" --out "$REPORT" || status=$?
+# KVROUTE_E2E_ARGS: extra run_e2e.py arguments (e.g. --skip-policies for a quick run).
+# shellcheck disable=SC2086
+"$PY" -m loadtests.vllm_e2e.run_e2e --venv "$VENV" --model "$MODEL" --out "$REPORT" ${KVROUTE_E2E_ARGS:-} || status=$?
 echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
 # The closing line CI reads: one check per acceptance point.
 "$PY" - "$REPORT" <<'EOF'
