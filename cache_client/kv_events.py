@@ -409,12 +409,14 @@ class KvEventIngestor:
             loc = self._location(source, ev.medium)
             if loc is None:
                 continue
-            pooled = loc == self.pool_location and self.translator is not None
+            pooled = loc == self.pool_location
             if ev.kind == "stored":
                 keys: Sequence[int] = ev.block_hashes
                 block = ev.block_size or (self.hasher.block_size if self.hasher else 1)
                 if pooled and ev.token_ids:
-                    translated = self._translate_stored(ev)
+                    # Pool chunks are keyed by the pool's own hashes: translate them to vLLM
+                    # block keys (impossible until the block size is known).
+                    translated = self._translate_stored(ev) if self.translator is not None else None
                     if translated is None:
                         st.pool_untranslated += 1
                         continue
@@ -427,8 +429,8 @@ class KvEventIngestor:
                     await self.index.record(loc, [PrefixKey(k) for k in keys], [block] * len(keys))
             else:
                 keys = ev.block_hashes
-                if pooled:
-                    keys = [k for chunk in ev.block_hashes for k in self.translator.removed(chunk)]  # type: ignore[union-attr]
+                if pooled and self.translator is not None:
+                    keys = [k for chunk in ev.block_hashes for k in self.translator.removed(chunk)]
                 if keys:
                     st.blocks_removed += len(keys)
                     await self.index.evict(loc, [PrefixKey(k) for k in keys])

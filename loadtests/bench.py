@@ -418,6 +418,8 @@ async def find_capacity(
                 "requests_failed": summary["requests_failed"],
                 "meets_slo": ok,
                 "bottleneck": summary["harness"]["bottleneck"]["flag"],
+                "sim_clock_ratio": summary["harness"]["bottleneck"].get("sim_clock_ratio"),
+                "client_minus_worker_ttft_mean_s": summary["client_minus_worker_ttft_mean_s"],
             }
         )
         return ok

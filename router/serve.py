@@ -143,12 +143,13 @@ def load_config(argv: list[str], environ: dict[str, str] | None = None) -> Route
     config = RouterConfig(**coerced)
     if config.policy not in POLICIES:
         raise SystemExit(f"kvroute: unknown policy {config.policy!r}")
-    _check_secrets(config)
     return config
 
 
-def _check_secrets(config: RouterConfig) -> None:
-    """Fail at startup, with a message that names the setting but not the secret."""
+def check_secrets(config: RouterConfig) -> None:
+    """Read the secrets files now, at startup (not in load_config: a rendered config names
+    files that exist only where it is deployed); fail with a message that names the
+    setting, never the secret."""
     from router.auth import resolve_admin_token, resolve_api_keys
 
     try:
@@ -207,6 +208,7 @@ def cli(argv: list[str]) -> int:
 
     argv = take_precise_flags(argv)
     config = load_config(argv)
+    check_secrets(config)
     configure_logging(config.log_level)
     if not config.workers and not config.discover:
         print("kvroute serve: give at least one --worker NAME=URL or --discover TARGET", file=sys.stderr)

@@ -190,6 +190,14 @@ async def test_pool_chunk_with_unknown_parent_is_counted_not_guessed() -> None:
     assert await index.usage() == {}
 
 
+async def test_pool_chunks_wait_for_a_block_size() -> None:
+    index = MemoryIndex()
+    ing = KvEventIngestor(index)  # no hasher yet: the workers' block size is still unknown
+    src = KvEventSource("w1", "tcp://127.0.0.1:1")
+    await ing.apply(src, [decode_event(stored_map([5], tokens=range(64), medium="CPU"))])
+    assert ing.stats.of(src.key).pool_untranslated == 1 and await index.usage() == {}
+
+
 async def test_cpu_events_per_worker_when_configured() -> None:
     index = MemoryIndex()
     ing = KvEventIngestor(index, hasher=HASHER, cpu_medium="worker")

@@ -5,7 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normalizer import canonicalize_body, chat_segments, completion_segments, estimate_tokens, prefix_chain
+from normalizer import (
+    canonicalize_body,
+    chat_segments,
+    completion_segments,
+    estimate_tokens,
+    prefix_chain,
+)
 
 messages = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.text(max_size=50)}),

@@ -8,7 +8,7 @@ import pytest
 
 from loadtests.routerproc import RouterProcess
 from router.auth import KeyCheck, presented_key, resolve_admin_token, resolve_api_keys
-from router.serve import load_config
+from router.serve import check_secrets, load_config
 from tests.upstream import RecordingUpstream
 
 CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -104,17 +104,24 @@ def test_key_check_and_parsing() -> None:
         KeyCheck([])
 
 
-def test_secret_settings_from_env_and_files(tmp_path) -> None:
+def test_secret_settings_from_env_and_files(tmp_path, monkeypatch) -> None:
     env = {"KVROUTE_API_KEYS": "e1, e2", "KVROUTE_ADMIN_TOKEN": " adm "}
     config = load_config(["--worker", "a=http://127.0.0.1:9"], env)
     assert config.api_keys == ["e1", "e2"]
     assert resolve_admin_token(config.admin_token, config.admin_token_file) == "adm"
     config = load_config(["--worker", "a=http://127.0.0.1:9", "--api-keys", "f1,f2", "--api-keys", "f3"], {})
     assert resolve_api_keys(config.api_keys, None) == ["f1", "f2", "f3"]
+    missing = load_config(["--worker", "a=http://127.0.0.1:9", "--api-keys-file", str(tmp_path / "missing")], {})
     with pytest.raises(SystemExit, match="cannot read --api-keys-file"):
-        load_config(["--worker", "a=http://127.0.0.1:9", "--api-keys-file", str(tmp_path / "missing")], {})
+        check_secrets(missing)
     two = tmp_path / "two"
     two.write_text("secret-one\nsecret-two\n")
     with pytest.raises(SystemExit) as exc:
-        load_config(["--worker", "a=http://127.0.0.1:9", "--admin-token-file", str(two)], {})
+        check_secrets(load_config(["--worker", "a=http://127.0.0.1:9", "--admin-token-file", str(two)], {}))
     assert "secret" not in str(exc.value)  # the message names the setting, never its value
+    # and `kvroute serve` refuses to start on it
+    from router.serve import cli
+
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("the router started"))
+    with pytest.raises(SystemExit, match="cannot read --api-keys-file"):
+        cli(["--worker", "a=http://127.0.0.1:9", "--api-keys-file", str(tmp_path / "missing")])
