@@ -12,7 +12,7 @@ fi
 stamp="$VENV/.kvroute-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
-  python -m pip install -q -e "$ROOT[test,bench]"
+  python -m pip install -q -e "$ROOT[test,bench,precise]"
   touch "$stamp"
 fi
 cd "$ROOT"
