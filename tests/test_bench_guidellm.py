@@ -61,6 +61,7 @@ def test_report_figures_become_simulated_seconds() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.guidellm
 def test_guidellm_drives_the_simulated_cluster_through_kvroute(tmp_path: Path) -> None:
     """Installs GuideLLM on first use, trains the tokenizer, runs 20 simulated seconds."""
     results = run_recipe(tmp_path, workers=2, time_scale=0.5, policies=("cache_aware",), duration_s=20)
