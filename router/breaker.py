@@ -25,7 +25,6 @@ latency sum, which the caller passes in.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.aio import cancel_and_wait
 from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.breaker")
@@ -252,8 +252,5 @@ class OutlierDetector:
             self._task = asyncio.create_task(self._loop(), name="kvroute-outliers")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -9,8 +9,9 @@ a second, cancelling the ones past due with the reason recorded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
+
+from router.aio import cancel_and_wait
 
 
 class Flight:
@@ -56,8 +57,5 @@ class Deadlines:
                 flight.task.cancel()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -22,7 +22,6 @@ on a DNS hiccup would throw away every worker's index entries.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import os
@@ -36,6 +35,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from router.aio import cancel_and_wait
 from router.workers import Fleet, WorkerSpec
 
 log = logging.getLogger("kvroute.discovery")
@@ -256,11 +256,8 @@ class _Poller:
 
     async def stop(self) -> None:
         """Stop polling. Discovered workers stay in the fleet (the router is shutting down)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 class _DnsSource:

@@ -9,9 +9,9 @@ worst lag of the last `window_s`, so a scrape every 15 s still sees a short stal
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 
+from router.aio import cancel_and_wait
 from router.metrics import CallbackGauge, Registry
 
 
@@ -51,8 +51,5 @@ class LoopLagMonitor:
             self._task = asyncio.create_task(self._run(), name="kvroute-loop-lag")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -8,7 +8,6 @@ goes down loses its index entries: if it restarts, its KV cache is empty.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from router.aio import cancel_and_wait
 from router.breaker import BreakerSettings, CircuitBreaker
 from router.redact import exc_summary
 
@@ -251,11 +251,6 @@ class Fleet:
         self._task = asyncio.create_task(self._loop(), name="kvroute-health")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._checking.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._task, *self._checking.values())
         self._task = None
         self._checking.clear()

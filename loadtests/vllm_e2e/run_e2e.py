@@ -53,10 +53,10 @@ from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES
 
 BLOCK = 32
 """vLLM's CPU attention needs block sizes that are multiples of 32."""
-WORKER_BLOCKS = 600
-"""KV capacity per worker (×32 = 19,200 tokens): holds half of workload (b)'s
-conversations (≈2.9k tokens each at the end, with room for an uneven split), not all of
-them (≈35k), so where a conversation goes decides whether its history is still there."""
+WORKER_BLOCKS = 520
+"""KV capacity per worker (×32 = 16,640 tokens): holds half of workload (b)'s
+conversations (≈2.4k tokens each at the end, with room for an uneven split), not all of
+them (≈29k), so where a conversation goes decides whether its history is still there."""
 POOL_GB = 0.125
 """LMCache L1: 32 chunks of 256 tokens (16 KiB of KV per token for the tiny model), ≈8k
 tokens: the sequential phases (a), (c) fit, workload (b) does not."""
@@ -583,8 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-words", type=int, default=0, help="each conversation's own opening task in (b)")
     ap.add_argument("--shared-system", action="store_true",
                     help="(b) conversations share one system prompt (agents of one deployment)")
-    ap.add_argument("--clients", type=int, default=3, help="requests in flight in workload (b)")
-    ap.add_argument("--system-words", type=int, default=600)
+    ap.add_argument("--clients", type=int, default=2, help="requests in flight in workload (b)")
+    ap.add_argument("--system-words", type=int, default=400)
     ap.add_argument("--user-words", type=int, default=10)
     ap.add_argument("--seq-system-words", type=int, default=150, help="system prompt of (a), (c) conversations")
     ap.add_argument("--a-conversations", type=int, default=3)
