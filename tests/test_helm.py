@@ -532,7 +532,7 @@ def test_helm_check_script_is_shell_clean() -> None:
 
 # Settings the chart renders for features `kvroute serve` is still gaining (static KV-event
 # sources, API keys, the admin token). Every other key must be a RouterConfig field.
-PENDING_SETTINGS = {"kv_events", "api_keys_file", "admin_token_file"}
+PENDING_SETTINGS = {"kv_events"}  # precise mode takes KV-event endpoints from flags/env only (router/precise.py)
 
 
 @pytest.mark.parametrize(
