@@ -57,6 +57,7 @@ import msgpack
 from cache_client.base import POOL, PrefixIndex
 from normalizer.prefix import PrefixKey
 from normalizer.vllm_hash import BlockHasher, external_hash
+from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.kv_events")
 
@@ -307,7 +308,7 @@ async def discover_sources(client: Any, worker: str, worker_url: str, timeout: f
             return []
         doc = r.json()
     except Exception as exc:  # an old vLLM or a non-vLLM worker: no discovery, not an error
-        log.info("no KV-event discovery for %s: %s", worker, exc)
+        log.info("no KV-event discovery for %s: %s", worker, exc_summary(exc))
         return []
     return sources_from_kv_event_sources(worker, worker_url, doc) if isinstance(doc, Mapping) else []
 
@@ -531,7 +532,7 @@ class KvEventIngestor:
         try:
             batches: list[KvBatch] = await replay(start)
         except Exception as exc:
-            log.warning("KV-event replay from %s failed: %s", source.key, exc)
+            log.warning("KV-event replay from %s failed: %s", source.key, exc_summary(exc))
             return False
         wanted = [b for b in batches if start <= b.seq < stop]
         if [b.seq for b in wanted] != list(range(start, stop)):
@@ -556,7 +557,7 @@ class KvEventIngestor:
         try:
             batches: list[KvBatch] = sorted(await replay(0), key=lambda b: b.seq)
         except Exception as exc:
-            log.info("KV-event catch-up from %s failed: %s", source.key, exc)
+            log.info("KV-event catch-up from %s failed: %s", source.key, exc_summary(exc))
             return
         for b in batches:
             await self._apply_batch(source, b, live=False)
@@ -620,8 +621,8 @@ class KvEventIngestor:
                     continue
                 try:
                     await self.handle(source, batch, replay)
-                except Exception:  # one bad batch must not stop ingestion for this worker
-                    log.exception("applying KV events from %s failed", source.key)
+                except Exception as exc:  # one bad batch must not stop ingestion for this worker
+                    log.error("applying KV events from %s failed: %s", source.key, exc_summary(exc))
         finally:
             sub.close(linger=0)
 

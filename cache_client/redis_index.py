@@ -43,6 +43,7 @@ from redis.exceptions import NoScriptError, RedisError
 from cache_client.base import EMPTY_VIEW, IndexView
 from cache_client.memory import DEFAULT_CAPACITY_TOKENS, MemoryIndex
 from normalizer.prefix import PrefixKey
+from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.redis")
 
@@ -308,7 +309,7 @@ class RedisBackend:
                     self._mark_up()
             except Exception as exc:
                 if not isinstance(exc, REDIS_ERRORS):
-                    log.exception("redis probe failed unexpectedly")
+                    log.error("redis probe failed unexpectedly: %s", exc_summary(exc))
                 if self.connecting:
                     self._first_failure(exc)
                 old, self._client = self._client, None
@@ -582,7 +583,7 @@ class RedisIndex:
                 await self._call(ops)
             except Exception as exc:
                 if not isinstance(exc, REDIS_ERRORS):
-                    log.exception("redis index write failed unexpectedly")
+                    log.error("redis index write failed unexpectedly: %s", exc_summary(exc))
                 self._requeue(ops)
                 self._backend.failed(exc)
                 return False
@@ -619,7 +620,7 @@ class RedisIndex:
             return True
         except Exception as exc:
             if not isinstance(exc, REDIS_ERRORS):
-                log.exception("redis index resync failed unexpectedly")
+                log.error("redis index resync failed unexpectedly: %s", exc_summary(exc))
             self._resync_needed = True
             self._backend.failed(exc)
             return False
@@ -656,7 +657,7 @@ class RedisIndex:
                 self._backend.succeeded()
         except Exception as exc:  # never fails a request: its lookup falls back to the mirror
             if not isinstance(exc, REDIS_ERRORS):
-                log.exception("redis index lookup failed unexpectedly")
+                log.error("redis index lookup failed unexpectedly: %s", exc_summary(exc))
             self._requeue(ops)
             self._backend.failed(exc)
         finally:

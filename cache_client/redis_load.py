@@ -25,6 +25,7 @@ import orjson
 
 from cache_client.redis_index import LOADS_SCRIPT, REDIS_ERRORS, RedisBackend
 from router.load import DEFAULT_RECENT_HALF_LIFE_S, LocalLoadBoard, Ticket
+from router.redact import exc_summary
 from router.routing import WorkerLoad
 
 log = logging.getLogger("kvroute.redis")
@@ -99,7 +100,7 @@ class RedisLoadBoard(LocalLoadBoard):
             )
         except Exception as exc:
             if not isinstance(exc, REDIS_ERRORS):
-                log.exception("load board sync failed unexpectedly")
+                log.error("load board sync failed unexpectedly: %s", exc_summary(exc))
             self._backend.failed(exc)
             return False
         now = self._clock()

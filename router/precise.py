@@ -46,6 +46,7 @@ from typing import Any
 from normalizer.prefix import PrefixChain, PrefixKey
 from normalizer.vllm_hash import BlockHasher
 from router.chain import EstimateChainBuilder, RequestKind
+from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.precise")
 
@@ -602,7 +603,7 @@ class PreciseMode(PreciseChainBuilder):
             r = await self._client.get(url + "/metrics", timeout=5.0)
             cfg = hash_config_from_metrics(r.text) if r.status_code == 200 else None
         except Exception as exc:
-            log.info("no cache_config_info from %s: %s", name, exc)
+            log.info("no cache_config_info from %s: %s", name, exc_summary(exc))
             return
         if cfg is None:
             return
@@ -646,7 +647,7 @@ class PreciseMode(PreciseChainBuilder):
                 self.ingestor.add_source(src)
             if self._discover and not any(s.worker == w.name for s in self._given_sources):
                 for src in await discover_sources(self._client, w.name, w.url):
-                    log.info("KV events of %s: %s", w.name, src.endpoint)
+                    log.info("KV events of %s: subscribed (discovered)", w.name)
                     self.ingestor.add_source(src)
         for name in have - present.keys():
             await self.ingestor.remove_worker(name)
@@ -659,8 +660,8 @@ class PreciseMode(PreciseChainBuilder):
             await asyncio.sleep(self.REFRESH_S)
             try:
                 await self._refresh()
-            except Exception:  # keep ingesting for known workers whatever discovery does
-                log.exception("precise-mode refresh failed")
+            except Exception as exc:  # keep ingesting for known workers whatever discovery does
+                log.error("precise-mode refresh failed: %s", exc_summary(exc))
 
     async def start(self, app: Any) -> None:
         import asyncio
