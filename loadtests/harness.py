@@ -27,6 +27,7 @@ import orjson
 import psutil
 
 from loadtests.workload import Conversation, Workload
+from router.aio import cancel_and_wait
 
 # -- Prometheus text ------------------------------------------------------------------------
 
@@ -162,10 +163,7 @@ class LoopLag:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def summary(self) -> dict[str, float | None]:
         return {"p50_s": percentile(self.samples, 50), "p99_s": percentile(self.samples, 99), "max_s": max(self.samples, default=None)}
@@ -655,10 +653,7 @@ class QueueSampler:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def summary(self) -> dict[str, Any]:
         def mean(xs: list[float]) -> float | None:

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,19 +24,10 @@ from typing import Any
 import httpx
 import redis
 
-from loadtests.routerproc import RouterProcess
+from loadtests.routerproc import RouterProcess, port_free
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_ports(n: int, *, with_bus: bool = False) -> list[int]:
@@ -46,7 +36,7 @@ def free_ports(n: int, *, with_bus: bool = False) -> list[int]:
     ports: list[int] = []
     for _ in range(1000):
         p = rng.randrange(20_000, 50_000)
-        if p in ports or not _port_free(p) or (with_bus and not _port_free(p + 10_000)):
+        if p in ports or not port_free(p) or (with_bus and not port_free(p + 10_000)):
             continue
         ports.append(p)
         if len(ports) == n:

@@ -14,6 +14,16 @@ from collections.abc import Mapping, Sequence
 import httpx
 
 
+def port_free(port: int) -> bool:
+    """Whether a loopback port can be bound now (for picking fixed ranges of ports)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,13 +19,13 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from types import TracebackType
 from typing import Any
 
+from loadtests.routerproc import port_free
 from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS, ChunkStore, build_pool_app
 from loadtests.sim.serving import QuietServer, Teardown, run_servers, server_for
 from loadtests.sim.worker import DEFAULT_MODEL, SimWorker, add_engine_args, config_from_args
@@ -80,22 +80,13 @@ def cli(argv: list[str]) -> int:
 # -- subprocess helpers for tests and benchmarks ----------------------------------------
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port_range(n: int, low: int = 20_000, high: int = 32_000) -> int:
     """First port of `n` consecutive ports free on loopback right now (below Linux's
     ephemeral range, so outgoing connections do not take them before the child binds)."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(200):
         base = rng.randrange(low, high - n)
-        if all(_port_free(base + i) for i in range(n)):
+        if all(port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no {n} consecutive free ports found")
 
