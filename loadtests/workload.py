@@ -21,11 +21,12 @@ for byte); sessions of one group differ only in these meaningless ways, which
 `normalizer.canonicalize_body` removes.
 
 Arrival rates are derived, not tuned: `ScenarioSpec.load` is the offered prefill work as a
-fraction of the cluster's prefill capacity for a *cache-blind* router (every request
-recomputes its whole prompt except the group's shared system prompt and tools, which
-vLLM's prefix cache keeps on every worker). The prefill work per session comes from the
-simulator's own cost model (`loadtests.sim.costs`) over a fixed reference sample of
-sessions; see `derive_rates` and docs/benchmark.md.
+fraction of the cluster's prefill capacity behind a *random load balancer* (the incident's
+baseline): each request recomputes what the worker it lands on does not hold, with the
+group's shared system prompt and tools cached everywhere, and with what a random
+placement over LRU caches of the workers' KV capacity keeps (`loadtests.random_lb`). The
+prefill work comes from the simulator's own cost model (`loadtests.sim.costs`) over a
+fixed reference sample of sessions; see `derive_rates` and docs/benchmark.md.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 
 import orjson
 
+from loadtests.random_lb import RandomReuse, SessionShape, random_lb_capacity
 from loadtests.sim.costs import DEFAULT_PROFILE, CostModel, build_cost_model
 from normalizer.prefix import render_message, render_tools
 from normalizer.tokens import CHARS_PER_TOKEN
@@ -103,7 +105,8 @@ class ScenarioSpec:
     user_think_s: LogNormal
     """Wait after a final answer before the next task's user message."""
     load: float
-    """Offered prefill work as a fraction of the cache-blind prefill capacity."""
+    """Offered prefill work as a fraction of the fleet's prefill capacity behind a random
+    load balancer (see `derive_rates`)."""
     warmup_s: float
     """Simulated seconds at the start whose requests warm the caches, unmeasured."""
     window_s: float
@@ -586,6 +589,14 @@ class Rates:
     """Σ of prefill(previous prompt cached → whole prompt): every turn reuses the last."""
     capacity_sessions_per_s_cache_blind: float
     capacity_sessions_per_s_ideal: float
+    kv_capacity_tokens: int
+    """Each worker's KV cache, which bounds what a random balancer's workers keep."""
+    random_lb_reused_fraction: float
+    """Prompt tokens a random balancer finds cached at its capacity (`loadtests.random_lb`)."""
+    prefill_s_per_session_random_lb: float
+    capacity_sessions_per_s_random_lb: float
+    """The arrival rate at which a random balancer's prefill work fills the fleet; `load`
+    is a fraction of it."""
     arrival_rate_per_s: float
     mean_session_duration_s: float
     """Zero-load estimate (decode at batch 1 plus client think times), for Little's law."""
@@ -604,9 +615,11 @@ def derive_rates(
     profile: str = DEFAULT_PROFILE,
     cost: CostModel | None = None,
     load: float | None = None,
+    kv_capacity_tokens: int | None = None,
 ) -> Rates:
     cost = cost or build_cost_model(profile)
     load = scenario.load if load is None else load
+    kv_capacity = kv_capacity_tokens or cost.default_capacity_tokens
     groups = {g: make_group(REFERENCE_SEED, scenario, g) for g in range(scenario.groups)}
     blind = ideal = 0.0
     n_req = 0
@@ -615,11 +628,14 @@ def derive_rates(
     max_prompt = 0
     finals = []
     durations = []
+    shapes = []
     decode_step = cost.step_s([], [4096])
     for i in range(REFERENCE_SESSIONS):
         session = make_session(REFERENCE_SEED, scenario, i)
         group = groups.get(session.group) if session.group is not None else None
         toks = session_tokens(session, group)
+        sends = zero_load_timeline(session, toks, cost)[:-1]
+        shapes.append(SessionShape(toks.shared, tuple(toks.prompts), tuple(toks.outputs), tuple(sends)))
         prev = toks.shared
         duration = 0.0
         for turn, prompt, out in zip(session.turns, toks.prompts, toks.outputs, strict=True):
@@ -637,7 +653,8 @@ def derive_rates(
     blind_per, ideal_per = blind / n, ideal / n
     # One GPU (or TP group) does one second of prefill work per second.
     cap_blind, cap_ideal = workers / blind_per, workers / ideal_per
-    rate = load * cap_blind
+    random_lb = _random_lb_capacity(scenario, cost, workers, kv_capacity, shapes, cap_blind, cap_ideal)
+    rate = load * random_lb.rate_per_s
     mean_duration = sum(durations) / n
     finals.sort()
     return Rates(
@@ -655,6 +672,10 @@ def derive_rates(
         prefill_s_per_session_ideal=ideal_per,
         capacity_sessions_per_s_cache_blind=cap_blind,
         capacity_sessions_per_s_ideal=cap_ideal,
+        kv_capacity_tokens=kv_capacity,
+        random_lb_reused_fraction=random_lb.reused_fraction,
+        prefill_s_per_session_random_lb=random_lb.prefill_s_per_session,
+        capacity_sessions_per_s_random_lb=random_lb.rate_per_s,
         arrival_rate_per_s=rate,
         mean_session_duration_s=mean_duration,
         expected_concurrent_sessions=rate * mean_duration,
@@ -662,9 +683,29 @@ def derive_rates(
         notes=[
             "capacity = workers × 1 s of prefill per s ÷ prefill seconds per session (simulator cost model)",
             "cache-blind: each request recomputes everything but its group's tools + system prompt",
-            f"arrival rate = load {load} × cache-blind capacity",
+            "random_lb: uniform placement over per-worker LRU caches of kv_capacity_tokens, replayed "
+            "on the zero-load timeline; capacity where its prefill work fills the fleet (loadtests/random_lb.py)",
+            f"arrival rate = load {load} × random_lb capacity",
         ],
     )
+
+
+_RANDOM_LB_CACHE: dict[tuple[ScenarioSpec, str, int, int], RandomReuse] = {}
+
+
+def _random_lb_capacity(
+    scenario: ScenarioSpec,
+    cost: CostModel,
+    workers: int,
+    kv_capacity: int,
+    shapes: list[SessionShape],
+    cap_blind: float,
+    cap_ideal: float,
+) -> RandomReuse:
+    key = (scenario, cost.profile.name, workers, kv_capacity)
+    if key not in _RANDOM_LB_CACHE:
+        _RANDOM_LB_CACHE[key] = random_lb_capacity(shapes, workers, kv_capacity, cost, cap_blind, cap_ideal)
+    return _RANDOM_LB_CACHE[key]
 
 
 # -- a whole run's workload ------------------------------------------------------------------

@@ -21,6 +21,7 @@ from loadtests.harness import (
     metric_sum,
     parse_prometheus,
     percentile,
+    process_trees,
     worker_hit_ratio,
 )
 
@@ -193,3 +194,20 @@ def test_a_simulator_falling_behind_real_time_flags_the_run() -> None:
         event_loop_processes=[], sim_clock=0.995,
     )  # fmt: skip
     assert ok["flag"] is False
+
+
+def test_a_child_process_counts_for_its_own_name_not_its_parent() -> None:
+    """The client starts the router and the simulator: their CPU is theirs, not the client's."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        trees = process_trees({"client": os.getpid(), "router": child.pid})
+        assert [p.pid for p in trees["router"]] == [child.pid]
+        client_pids = {p.pid for p in trees["client"]}
+        assert os.getpid() in client_pids and child.pid not in client_pids
+    finally:
+        child.kill()
+        child.wait()

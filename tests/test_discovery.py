@@ -424,7 +424,8 @@ async def test_endpoint_slice_discovery_against_fake_api_server(
         token_file.write_text("token-2")
         api_server.slices = [slice_doc({"127.0.0.2": False, "127.0.0.3": True})]
         await wait_for(lambda: fleet.names() == ["127.0.0.3:8000"])
-        assert [w.name for w in fleet.candidates(MODEL)] == ["127.0.0.3:8000"]
+        # The newcomer joins at once and takes traffic once its health probe answers.
+        await wait_for(lambda: [w.name for w in fleet.candidates(MODEL)] == ["127.0.0.3:8000"])
         assert (await index.lookup(keys(5))).depth("127.0.0.2:8000") == 0
 
         # The API server refusing us (e.g. RBAC) keeps the fleet as it is.

@@ -9,6 +9,7 @@ import statistics
 import orjson
 import pytest
 
+from loadtests.random_lb import SessionShape, replay_random
 from loadtests.sim.costs import build_cost_model
 from loadtests.workload import (
     CLIENT_STYLES,
@@ -147,8 +148,17 @@ def test_arrival_rate_is_derived_from_the_cost_model() -> None:
     cost = build_cost_model()
     r8 = derive_rates(SEED, 8, cost=cost)
     r4 = derive_rates(SEED, 4, cost=cost)
-    assert r8.arrival_rate_per_s == pytest.approx(SEED.load * 8 / r8.prefill_s_per_session_cache_blind)
-    assert r8.arrival_rate_per_s == pytest.approx(2 * r4.arrival_rate_per_s)
+    assert r8.arrival_rate_per_s == pytest.approx(SEED.load * r8.capacity_sessions_per_s_random_lb)
+    assert r8.capacity_sessions_per_s_cache_blind == pytest.approx(8 / r8.prefill_s_per_session_cache_blind)
+    # A random balancer's capacity: where its prefill work fills the fleet (within the
+    # bisection's resolution), between cache-blind and ideal reuse.
+    for r, workers in ((r8, 8), (r4, 4)):
+        work = r.capacity_sessions_per_s_random_lb * r.prefill_s_per_session_random_lb
+        assert work == pytest.approx(workers, rel=0.01)
+        assert r.capacity_sessions_per_s_cache_blind < r.capacity_sessions_per_s_random_lb
+        assert r.capacity_sessions_per_s_random_lb < r.capacity_sessions_per_s_ideal
+    # Over fewer workers a random pick more often finds the conversation's last worker.
+    assert r4.random_lb_reused_fraction > r8.random_lb_reused_fraction
     # Reusing the previous turn makes sessions several times cheaper to serve.
     assert r8.capacity_sessions_per_s_ideal > 5 * r8.capacity_sessions_per_s_cache_blind
     # The seed does not change the offered load (a fixed reference sample derives it).
@@ -187,3 +197,20 @@ def test_runs_start_in_steady_state() -> None:
     assert all(s.start_s >= 0 for s in wl.sessions)
     assert all(s.arrival_s < wl.window_end_s for s in wl.sessions)
     assert wl.prepopulate_s > 60
+
+
+def test_random_lb_reuse_falls_as_caches_fill() -> None:
+    """The random-balancer model: reuse comes from the conversation's earlier worker, and
+    shrinks when more conversations compete for each worker's cache."""
+    cost = build_cost_model()
+    # Two turns 1 s apart, 10k then 12k tokens, 1k shared.
+    shape = SessionShape(1_000, (10_000, 12_000), (100, 100), (0.0, 1.0))
+    one_worker = replay_random([shape], 0.5, 1, 10**9, cost)
+    # With one worker and room for everything, turn 2 reuses turn 1's prompt + output.
+    assert one_worker.reused_fraction == pytest.approx((1_000 + 10_100) / 22_000)
+    many = replay_random([shape], 0.5, 8, 10**9, cost)
+    assert many.reused_fraction < one_worker.reused_fraction
+    # A cache too small for more than a few conversations keeps less.
+    tiny = replay_random([shape], 50.0, 1, 30_000, cost)
+    assert tiny.reused_fraction < one_worker.reused_fraction
+    assert tiny.prefill_s_per_session > one_worker.prefill_s_per_session
