@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from loadtests.routerproc import port_free
-from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS, ChunkStore, build_pool_app
+from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS, ChunkStore, LocalPoolClient, build_pool_app
 from loadtests.sim.serving import QuietServer, Teardown, run_servers, server_for
 from loadtests.sim.worker import DEFAULT_MODEL, SimWorker, add_engine_args, config_from_args
 
@@ -55,16 +55,18 @@ def cli(argv: list[str]) -> int:
 
     async def build() -> tuple[list[QuietServer], Teardown]:
         servers: list[QuietServer] = []
+        local_pool = None
         if not args.no_pool:
-            pool_app = build_pool_app(ChunkStore(args.pool_capacity_tokens))
-            servers.append(server_for(pool_app, args.host, pool_port))
+            store = ChunkStore(args.pool_capacity_tokens)
+            local_pool = LocalPoolClient(store)
+            servers.append(server_for(build_pool_app(store), args.host, pool_port))
         workers = []
         for i in range(args.workers):
             events = None
             if args.kv_events_base_port is not None:
                 events = f"tcp://{args.host}:{args.kv_events_base_port + i}"
             config = config_from_args(args, f"w{i}", args.base_port + i, pool_url, events)
-            worker = SimWorker(config)
+            worker = SimWorker(config, pool=local_pool)
             workers.append(worker)
             servers.append(server_for(worker.app, args.host, config.port))
 

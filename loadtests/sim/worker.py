@@ -45,7 +45,7 @@ from loadtests.sim.engine import (
 )
 from loadtests.sim.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventPublisher, encode_event
 from loadtests.sim.metrics import Exposition, escape_label
-from loadtests.sim.pool import CHUNK_TOKENS, PoolClient, chunk_keys
+from loadtests.sim.pool import CHUNK_TOKENS, LocalPoolClient, PoolClient, chunk_keys
 from loadtests.sim.runner import Handle, Runner
 from normalizer.prefix import chat_segments, completion_segments
 from normalizer.tokens import CHARS_PER_TOKEN
@@ -113,7 +113,9 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
 class SimWorker:
     """The worker's state and its HTTP app. Create it inside a running event loop."""
 
-    def __init__(self, config: WorkerConfig, cost: CostModel | None = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, cost: CostModel | None = None, pool: LocalPoolClient | None = None
+    ) -> None:
         self.config = config
         self.cost = cost or build_cost_model(config.profile)
         capacity = config.kv_capacity_tokens or self.cost.default_capacity_tokens
@@ -126,7 +128,9 @@ class SimWorker:
             has_pool=config.pool_url is not None,
         )
         self.max_model_len = min(self.cost.profile.max_model_len, self.engine.capacity_tokens)
-        self.pool = PoolClient(config.pool_url) if config.pool_url else None
+        self.pool: PoolClient | LocalPoolClient | None = pool
+        if self.pool is None and config.pool_url:
+            self.pool = PoolClient(config.pool_url)
         self.publisher = (
             KVEventPublisher(config.kv_events, topic=config.kv_events_topic) if config.kv_events else None
         )
