@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from loadtests.sim.costs import PROFILES, build_cost_model
 from loadtests.sim.engine import (
     BLOCK_SIZE,
+    BlockHasher,
     Engine,
     Seq,
     State,
@@ -445,3 +446,21 @@ def test_block_accounting_survives_any_mix_of_requests_steps_and_aborts(ops: lis
         assert s.state in (State.FINISHED, State.ABORTED)
         if s.state is State.FINISHED:
             assert s.generated == s.max_tokens
+
+
+def test_block_hasher_matches_block_hashes_of_and_reuses_pieces() -> None:
+    import random
+
+    rng = random.Random(3)
+    piece = BlockHasher.PIECE_BLOCKS * 64
+    base = bytes(rng.randrange(256) for _ in range(3 * piece + 1000))
+    hasher = BlockHasher(b"model", max_pieces=4)
+    # A conversation growing turn by turn, a prompt sharing only its first piece, and
+    # prompts shorter than a piece: always the plain chain, whatever was hashed before.
+    grown = base + bytes(rng.randrange(256) for _ in range(piece))
+    forked = base[:piece] + bytes(rng.randrange(256) for _ in range(2 * piece))
+    for data in (base, grown, forked, base[:100], base[: piece + 64], grown):
+        assert hasher.hashes(data) == block_hashes_of(data, b"model")
+    assert len(hasher._pieces) <= 4
+    # A different seed is a different chain.
+    assert BlockHasher(b"other").hashes(base) != hasher.hashes(base)

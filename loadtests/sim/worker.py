@@ -36,10 +36,10 @@ from loadtests.sim.asgi import Send, WatchedResponse, send_chunk, send_json, sta
 from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, CostModel, build_cost_model
 from loadtests.sim.engine import (
     BLOCK_SIZE,
+    BlockHasher,
     Engine,
     KVEvent,
     Seq,
-    block_hashes_of,
     signed_token_ids,
     token_ids_of,
 )
@@ -128,6 +128,7 @@ class SimWorker:
             has_pool=config.pool_url is not None,
         )
         self.max_model_len = min(self.cost.profile.max_model_len, self.engine.capacity_tokens)
+        self.hasher = BlockHasher(config.model.encode())
         self.pool: PoolClient | LocalPoolClient | None = pool
         if self.pool is None and config.pool_url:
             self.pool = PoolClient(config.pool_url)
@@ -296,7 +297,7 @@ class SimWorker:
             id=job.rid,
             prompt_len=job.prompt_len,
             max_tokens=job.out_tokens,
-            block_hashes=block_hashes_of(job.data, self.config.model.encode()),
+            block_hashes=self.hasher.hashes(job.data),
             arrival=0.0,
             pool_hit_tokens=pool_hit,
             data=job.data if self.publisher is not None else b"",
