@@ -38,6 +38,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pool-port", type=int, default=None)
     p.add_argument("--pool-capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS)
     p.add_argument("--no-pool", action="store_true")
+    p.add_argument(
+        "--pool-in-process", action="store_true",
+        help="workers call the pool they share this process with directly instead of over HTTP",
+    )
     p.add_argument("--kv-events-base-port", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -58,7 +62,7 @@ def cli(argv: list[str]) -> int:
         local_pool = None
         if not args.no_pool:
             store = ChunkStore(args.pool_capacity_tokens)
-            local_pool = LocalPoolClient(store)
+            local_pool = LocalPoolClient(store) if args.pool_in_process else None
             servers.append(server_for(build_pool_app(store), args.host, pool_port))
         workers = []
         for i in range(args.workers):
@@ -199,8 +203,10 @@ class SimCluster(_SimProcess):
         kv_events: bool = False,
         model: str | None = None,
         extra_args: list[str] | None = None,
+        pool_in_process: bool = False,
     ) -> None:
         super().__init__()
+        self.pool_in_process = pool_in_process
         self.workers = workers
         self.time_scale = time_scale
         self.profile = profile
@@ -237,6 +243,8 @@ class SimCluster(_SimProcess):
             cmd += ["--pool-port", str(self.base_port + self.workers)]
             if self.pool_capacity_tokens is not None:
                 cmd += ["--pool-capacity-tokens", str(self.pool_capacity_tokens)]
+            if self.pool_in_process:
+                cmd.append("--pool-in-process")
         else:
             cmd.append("--no-pool")
         if self.kv_events:
