@@ -2,8 +2,8 @@
 
 * `drive()` plays a `Workload` against an OpenAI-compatible endpoint: one asyncio task per
   session, each request streamed over SSE (with router.upstream's HTTP/1.1 client), timing
-  the first token and the decode. Every duration is taken on the wall clock and divided by the time scale, so all
-  figures are in simulated seconds.
+  the first token and the decode. Every duration is taken on the wall clock and divided by
+  the time scale, so all figures are in simulated seconds.
 * `LoopLag`, `HttpProbe` and `ProcessMonitor` record what this machine is doing meanwhile:
   the client's event-loop lag, the latency of a trivial request to the simulator and to
   the router (their event-loop lag plus a loopback round trip), and CPU use of each process
@@ -252,7 +252,8 @@ def process_trees(pids: dict[str, int]) -> dict[str, list[psutil.Process]]:
     starts the simulator and the router, which must not count as the client's CPU."""
     trees = {name: _tree(pid) for name, pid in pids.items()}
     claimed: dict[int, str] = {}
-    # Deepest trees first: a process belongs to the nearest named ancestor.
+    # Smallest trees claim first: a named tree nested in another is smaller than it, so a
+    # process belongs to its nearest named ancestor.
     for name, procs in sorted(trees.items(), key=lambda kv: len(kv[1])):
         for p in procs:
             claimed.setdefault(p.pid, name)
