@@ -645,9 +645,7 @@ async def drive(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        reporter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reporter
+        await cancel_and_wait(reporter)
     finally:
         await client.aclose()
     return RunOutcome(

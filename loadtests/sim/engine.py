@@ -45,12 +45,17 @@ HASH_MASK = (1 << 63) - 1
 
 def chain_hashes(data: bytes, unit_bytes: int, seed: bytes) -> list[int]:
     """Hashes of every full `unit_bytes` piece of `data`, each chained to the one before."""
-    parent = hashlib.blake2b(seed, digest_size=8).digest()
+    return _chain_from(hashlib.blake2b(seed, digest_size=8).digest(), data, unit_bytes)[0]
+
+
+def _chain_from(parent: bytes, data: bytes, unit_bytes: int) -> tuple[list[int], bytes]:
+    """The chain over `data`'s full units continued from `parent` (a full 8-byte digest):
+    the units' hashes and the digest the chain continues from after them."""
     out = []
     for i in range(len(data) // unit_bytes):
         parent = hashlib.blake2b(data[i * unit_bytes : (i + 1) * unit_bytes], digest_size=8, key=parent).digest()
         out.append(int.from_bytes(parent, "big") & HASH_MASK)
-    return out
+    return out, parent
 
 
 def block_hashes_of(data: bytes, seed: bytes = b"") -> list[int]:
@@ -92,11 +97,8 @@ class BlockHasher:
             fingerprint = hashlib.blake2b(piece, digest_size=16, key=fingerprint).digest()
             memo = pieces.get(fingerprint)
             if memo is None:
-                known = array("q")
-                for i in range(self.PIECE_BLOCKS):
-                    block = piece[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]
-                    parent = hashlib.blake2b(block, digest_size=8, key=parent).digest()
-                    known.append(int.from_bytes(parent, "big") & HASH_MASK)
+                computed, parent = _chain_from(parent, piece, BLOCK_BYTES)
+                known = array("q", computed)  # 8 bytes a hash, not a list of int objects
                 pieces[fingerprint] = (known, parent)
                 if len(pieces) > self.max_pieces:
                     pieces.popitem(last=False)
@@ -104,10 +106,7 @@ class BlockHasher:
                 pieces.move_to_end(fingerprint)
                 known, parent = memo
             out.extend(known)
-        for i in range(full * self.PIECE_BLOCKS, len(data) // BLOCK_BYTES):
-            block = data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]
-            parent = hashlib.blake2b(block, digest_size=8, key=parent).digest()
-            out.append(int.from_bytes(parent, "big") & HASH_MASK)
+        out.extend(_chain_from(parent, data[full * piece_bytes :], BLOCK_BYTES)[0])
         return out
 
 
