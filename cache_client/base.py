@@ -4,7 +4,7 @@ A *location* is a worker name, or `POOL` for the shared LMCache CPU pool that ev
 worker can load from. Each location has a capacity model: an LRU over the prefix keys
 recorded on it, bounded in tokens, so that prefixes a worker has surely evicted stop
 attracting traffic. Implementations: `memory.MemoryIndex` (in-process, the default) and
-`redis_index.RedisIndex` (shared by router replicas).
+`redis_index.RedisIndex` (shared by router replicas, on a `redis_conn.RedisBackend`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,16 @@ class PrefixIndex(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class IndexObserver(Protocol):
+    """What an index with a remote backend reports about its health (the router's metrics
+    implement it). An index without one (`MemoryIndex`) reports nothing."""
+
+    def index_backend_state(self, up: bool) -> None:
+        """True while the backend answers; False while the index answers from its local
+        fallback. Called when the observer is attached, then at every change."""
+        ...
 
 
 def key_tokens_of(cum_tokens: Sequence[int]) -> list[int]:

@@ -49,15 +49,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import msgpack
 
 from cache_client.base import POOL, PrefixIndex
+from cache_client.redact import exc_summary
 from normalizer.prefix import PrefixKey
 from normalizer.vllm_hash import BlockHasher, external_hash
-from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.kv_events")
 
@@ -352,6 +352,17 @@ class KvEventStats:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {k: {f: float(getattr(s, f)) for f in SourceStats.__slots__} for k, s in self.sources.items()}
+
+
+ReadSeries = Callable[[], dict[tuple[str, ...], float]]
+"""Read at scrape time: {label values: value}."""
+
+
+class MetricsRegistry(Protocol):
+    """Where `register_metrics` puts the stats (the router's `router.metrics.Registry`)."""
+
+    def callback_counter(self, name: str, help_: str, labels: Iterable[str], read: ReadSeries) -> Any: ...
+    def callback_gauge(self, name: str, help_: str, labels: Iterable[str], read: ReadSeries) -> Any: ...
 
 
 # -- ingestion ------------------------------------------------------------------------------
@@ -665,14 +676,10 @@ class KvEventIngestor:
                 await t
 
     # -- metrics --
-    def register_metrics(self, registry: Any) -> None:
-        """Expose the stats through the router's `router.metrics.Registry`."""
-        from router.metrics import CallbackGauge
+    def register_metrics(self, registry: MetricsRegistry) -> None:
+        """Expose the stats through the router's registry."""
 
-        class _CallbackCounter(CallbackGauge):
-            kind = "counter"
-
-        def reader(attr: str) -> Callable[[], dict[tuple[str, ...], float]]:
+        def reader(attr: str) -> ReadSeries:
             return lambda: {(k,): float(getattr(s, attr)) for k, s in self.stats.sources.items()}
 
         counters = {
@@ -690,12 +697,12 @@ class KvEventIngestor:
             "pool_untranslated": "Pool chunk events whose parent chunk was unknown",
         }
         for attr, help_ in counters.items():
-            registry.register(_CallbackCounter(f"kvroute_kv_events_{attr}_total", help_, ("source",), reader(attr)))
-        registry.register(CallbackGauge(
+            registry.callback_counter(f"kvroute_kv_events_{attr}_total", help_, ("source",), reader(attr))
+        registry.callback_gauge(
             "kvroute_kv_events_lag_seconds", "Age of the last KV-event batch when it was applied",
             ("source",), reader("last_lag_s"),
-        ))
-        registry.register(CallbackGauge(
+        )
+        registry.callback_gauge(
             "kvroute_kv_events_max_lag_seconds", "Largest KV-event batch age seen",
             ("source",), reader("max_lag_s"),
-        ))
+        )

@@ -47,7 +47,8 @@ import orjson
 
 from cache_client.base import POOL, PrefixIndex
 from cache_client.memory import MemoryIndex
-from cache_client.redis_index import RedisBackend, RedisIndex, parse_redis_url
+from cache_client.redis_conn import RedisBackend, parse_redis_url
+from cache_client.redis_index import RedisIndex
 from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, affinity, summarize
 from loadtests.routerproc import RouterProcess
 

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from cache_client.base import PrefixIndex
 from cache_client.memory import MemoryIndex
+from cache_client.redact import exc_summary
 from normalizer.canonical import NormalizeOptions
 from router import __version__
 from router.admin import register_admin
@@ -38,7 +39,6 @@ from router.metrics import CallbackGauge, RouterMetrics
 from router.overload import Admission
 from router.policies import make_policy
 from router.proxy import PROXIED_PATHS, Proxy, ProxySettings
-from router.redact import exc_summary
 from router.upstream import make_upstream_client
 from router.workers import Fleet
 
@@ -92,13 +92,12 @@ class KvrouteApp:
         index: PrefixIndex | None = None,
         loads: LoadBoard | None = None,
         chains: ChainBuilder | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = config
-        self.metrics = RouterMetrics()
+        # Given when the index reports its health into them (it is built before the app).
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.index: PrefixIndex = index if index is not None else MemoryIndex(config.kv_capacity_tokens)
-        bind_metrics = getattr(self.index, "bind_metrics", None)
-        if bind_metrics is not None:  # backends with health to report (Redis) take the metrics
-            bind_metrics(self.metrics)
         self.loads: LoadBoard = loads if loads is not None else LocalLoadBoard(config.recent_half_life_s)
         self.chains: ChainBuilder = chains if chains is not None else EstimateChainBuilder()
         self.policy = make_policy(config.policy, config.load_factor)

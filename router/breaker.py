@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cache_client.redact import exc_summary
 from router.aio import cancel_and_wait
-from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.breaker")
 

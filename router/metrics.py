@@ -89,6 +89,12 @@ class CallbackGauge(_Metric):
         return lines
 
 
+class CallbackCounter(CallbackGauge):
+    """A counter read at scrape time (the callback returns running totals)."""
+
+    kind = "counter"
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -145,6 +151,16 @@ class Registry:
     ) -> Histogram:
         return self.register(Histogram(name, help_, labels, buckets))
 
+    def callback_gauge(
+        self, name: str, help_: str, labels: Iterable[str], read: Callable[[], dict[LabelValues, float]]
+    ) -> CallbackGauge:
+        return self.register(CallbackGauge(name, help_, labels, read))
+
+    def callback_counter(
+        self, name: str, help_: str, labels: Iterable[str], read: Callable[[], dict[LabelValues, float]]
+    ) -> CallbackCounter:
+        return self.register(CallbackCounter(name, help_, labels, read))
+
     def render(self) -> str:
         lines: list[str] = []
         for metric in self._metrics.values():
@@ -153,7 +169,9 @@ class Registry:
 
 
 class RouterMetrics:
-    """The router's own series. One instance per app (tests run several apps per process)."""
+    """The router's own series. One instance per app (tests run several apps per process).
+
+    Also the index's `cache_client.base.IndexObserver`: `kvroute_index_backend_up`."""
 
     def __init__(self) -> None:
         r = self.registry = Registry()
@@ -192,3 +210,6 @@ class RouterMetrics:
         )
         self.worker_inflight = r.gauge("kvroute_worker_inflight", "Requests in flight per worker.", ("worker",))
         self.worker_healthy = r.gauge("kvroute_worker_healthy", "1 if the worker passes health checks.", ("worker",))
+
+    def index_backend_state(self, up: bool) -> None:
+        self.index_backend_up.set(value=1.0 if up else 0.0)

@@ -43,10 +43,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from cache_client.redact import exc_summary
 from normalizer.prefix import PrefixChain, PrefixKey
 from normalizer.vllm_hash import BlockHasher
 from router.chain import EstimateChainBuilder, RequestKind
-from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.precise")
 

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
+from cache_client.redact import exc_summary
 from normalizer.canonical import NormalizeOptions, canonicalize_body
 from normalizer.prefix import PrefixChain
 from router.breaker import CLOSED
@@ -35,7 +36,6 @@ from router.metrics import RouterMetrics
 from router.overload import Admission
 from router.policies.base import Policy
 from router.policies.least_loaded import LeastLoadedPolicy
-from router.redact import exc_summary
 from router.requests import parse_body, validate
 from router.routing import RouteDecision, RouteRequest
 from router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamResponse

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import secrets
 import sys
 import types
 import typing
@@ -18,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from cache_client.base import IndexObserver
 from router.config import RouterConfig
 from router.policies import POLICIES
 from router.workers import WorkerSpec, parse_worker_arg
@@ -173,14 +175,41 @@ def configure_logging(level: str) -> None:
     logging.getLogger("httpcore").setLevel(logging.WARNING)
 
 
+def redis_components(config: RouterConfig, observer: IndexObserver | None = None) -> dict[str, Any]:
+    """The `--redis` components for `build_app`: `index` (RedisIndex, reporting its health
+    to `observer`) and `loads` (RedisLoadBoard), sharing one client. Connects lazily, on
+    the first call in the app's loop."""
+    from cache_client.redis_index import RedisIndex, RedisIndexSettings
+    from router.load.redis import RedisLoadBoard
+
+    if not config.redis:
+        raise ValueError("no --redis URL configured")
+    settings = RedisIndexSettings(
+        url=config.redis,
+        prefix=config.redis_prefix,
+        ttl_s=config.redis_ttl_s,
+        lookup_budget_ms=config.redis_lookup_budget_ms,
+        default_capacity_tokens=config.kv_capacity_tokens,
+    )
+    index = RedisIndex.from_settings(settings, observer)
+    loads = RedisLoadBoard(
+        index.backend, prefix=config.redis_prefix, half_life_s=config.recent_half_life_s,
+        replica_id=f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(3)}",
+    )
+    logging.getLogger("kvroute.redis").info(
+        "index and loads shared through %s, prefix %s", index.backend.settings.display(), index.tag
+    )
+    return {"index": index, "loads": loads}
+
+
 def make_app(config: RouterConfig):
     from router.app import build_app
+    from router.metrics import RouterMetrics
 
-    components: dict[str, Any] = {}
+    metrics = RouterMetrics()
+    components: dict[str, Any] = {"metrics": metrics}
     if config.redis:
-        from cache_client.redis_index import connect_redis
-
-        components.update(connect_redis(config))
+        components.update(redis_components(config, observer=metrics))
     from router.precise import precise_from_env  # precise mode: --tokenizer & co.
 
     chains = precise_from_env()

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from cache_client.redact import exc_summary
 from router.aio import cancel_and_wait
 from router.breaker import BreakerSettings, CircuitBreaker
-from router.redact import exc_summary
 
 log = logging.getLogger("kvroute.workers")
 

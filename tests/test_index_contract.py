@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_client import POOL, MemoryIndex, PrefixIndex
-from cache_client.redis_index import RedisBackend, RedisIndex, parse_redis_url
+from cache_client.redis_conn import RedisBackend, parse_redis_url
+from cache_client.redis_index import RedisIndex
 from loadtests.replicas import RedisClusterNodes
 
 SYSTEM_REDIS = "redis://127.0.0.1:6379/0"

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from cache_client.redis_index import RedisBackend, parse_redis_url
-from cache_client.redis_load import RedisLoadBoard
+from cache_client.redis_conn import RedisBackend, parse_redis_url
 from loadtests.replicas import RedisServer
 from router.load import LocalLoadBoard
+from router.load.redis import RedisLoadBoard
 from tests.test_index_contract import SYSTEM_REDIS
 
 pytestmark = pytest.mark.redis
@@ -95,8 +95,8 @@ async def test_recent_traffic_is_the_sum_over_replicas(boards) -> None:
 
 CRASHING_REPLICA = """
 import asyncio, sys
-from cache_client.redis_index import RedisBackend, parse_redis_url
-from cache_client.redis_load import RedisLoadBoard
+from cache_client.redis_conn import RedisBackend, parse_redis_url
+from router.load.redis import RedisLoadBoard
 
 async def main():
     board = RedisLoadBoard(RedisBackend(parse_redis_url(sys.argv[1])), prefix=sys.argv[2],

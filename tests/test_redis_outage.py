@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from cache_client.redis_index import RedisBackend, RedisIndex, parse_redis_url
+from cache_client.redis_conn import RedisBackend, parse_redis_url
+from cache_client.redis_index import RedisIndex
 from loadtests.replicas import RedisServer, free_ports
 from router.metrics import RouterMetrics
 
@@ -98,9 +99,8 @@ def transitions(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
 
 async def test_killed_and_restarted_under_load(server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvroute.redis")
-    index = await make_index(server.url)
     metrics = RouterMetrics()
-    index.bind_metrics(metrics)
+    index = await make_index(server.url, observer=metrics)
     load = Load(index)
     load.start()
     try:
@@ -204,9 +204,8 @@ async def test_backlog_overflow_is_repaired_by_pushing_the_local_view(server: Re
 async def test_redis_absent_at_start_then_arriving() -> None:
     port = free_ports(1)[0]
     url = f"redis://127.0.0.1:{port}/0"
-    index = await make_index(url, connect=False)
     metrics = RouterMetrics()
-    index.bind_metrics(metrics)
+    index = await make_index(url, connect=False, observer=metrics)
     try:
         await index.record("w0", [1, 2, 3], [5, 5, 5])
         # Nobody listens: the first call fails fast and the mirror answers.

@@ -1,8 +1,11 @@
-"""What the router may say about an unexpected exception in a log line or a response.
+"""What kvroute may say about an unexpected exception in a log line or a response.
 
 Exception messages and tracebacks carry worker URLs (httpx puts the request URL in its
 messages), header values and request content. Logs get the exception type and where it
 was raised instead: enough to find the bug, nothing an operator must not see.
+
+It lives in `cache_client`, the lowest layer that logs unexpected exceptions (the Redis
+index, KV-event ingestion); the router imports it from here.
 """
 
 from __future__ import annotations

@@ -3,13 +3,16 @@
 Each replica keeps its own counts exactly as `LocalLoadBoard` does (acquire, first byte and
 release change them at once, no I/O) and, every `sync_interval_s`, publishes them whole
 under a lease and reads every other live replica's counts in the same script call
-(`lua/loads.lua`). `snapshot()` adds the two: it never waits on Redis.
+(`loads.lua`). `snapshot()` adds the two: it never waits on Redis.
 
 Publishing absolute per-replica counts rather than deltas to shared counters makes every
 sync idempotent: a lost or repeated message cannot leave a counter wrong, and a replica
 that crashes stops counting when its lease expires instead of leaving its in-flight
 requests behind forever. The decayed recent-traffic counts add up across replicas the same
 way (a sum of exponentially decayed counts is the decayed count of the union).
+
+The board rides on the prefix index's connection (`RedisIndex.backend`): one client, one
+health state for both.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from typing import Any
 
 import orjson
 
-from cache_client.redis_index import LOADS_SCRIPT, REDIS_ERRORS, RedisBackend
-from router.load import DEFAULT_RECENT_HALF_LIFE_S, LocalLoadBoard, Ticket
-from router.redact import exc_summary
+from cache_client.redact import exc_summary
+from cache_client.redis_conn import REDIS_ERRORS, RedisBackend, Script
+from router.load.board import DEFAULT_RECENT_HALF_LIFE_S, LocalLoadBoard, Ticket
 from router.routing import WorkerLoad
 
 log = logging.getLogger("kvroute.redis")
+
+LOADS_SCRIPT = Script("router.load", "loads.lua")
 
 
 class _Remote:
