@@ -2,7 +2,8 @@
 ASGI (tests/support/asgi.py). No sockets, no subprocesses: each test takes milliseconds.
 
 Covers what happens around one attempt: a retry on the next worker before the first byte,
-an error event after it, a client disconnect mid-stream, and 429 when every slot is taken.
+an error event after it, a client disconnect mid-stream, and 429 when every slot is taken;
+and that the `upstream_client` setting (env KVROUTE_UPSTREAM_CLIENT) picks the client.
 """
 
 from __future__ import annotations
@@ -11,10 +12,24 @@ import asyncio
 
 import pytest
 
+from router.app import build_app
 from router.config import RouterConfig
-from router.proxy.upstream import UpstreamConnectError, UpstreamError
+from router.proxy.upstream import (
+    HttpxUpstreamClient,
+    RawUpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+)
 from router.workers import WorkerSpec
-from tests.support.asgi import Answer, AsgiCall, FakeUpstream, chat_body, post, running_app
+from tests.support.asgi import (
+    Answer,
+    AsgiCall,
+    FakeUpstream,
+    chat_body,
+    healthy_workers,
+    post,
+    running_app,
+)
 
 CHAT = "/v1/chat/completions"
 SSE = [(b"content-type", b"text/event-stream")]
@@ -113,3 +128,10 @@ async def test_every_slot_taken_answers_429_with_retry_after(queue_size: int, wh
         holder.disconnect()
         await holder.finish()
         assert app.admission.queued == 0 and app.loads.inflight("w1") == 0
+
+
+@pytest.mark.parametrize(("kind", "client_class"), [("raw", RawUpstreamClient), ("httpx", HttpxUpstreamClient)])
+async def test_upstream_client_setting_picks_the_forwarding_client(kind: str, client_class: type) -> None:
+    app = build_app(config(upstream_client=kind), health_client=healthy_workers())
+    async with app.lifespan(app.api):
+        assert app.proxy is not None and isinstance(app.proxy.client, client_class)

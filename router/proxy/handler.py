@@ -179,9 +179,10 @@ class Proxy:
                 for load, w in zip(loads, candidates, strict=True)
             ]
         if kind is None:
-            return RouteChoice(_EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost), chain, view, loads)
-        request = RouteRequest(chain, session_key)
-        return RouteChoice(self.policy.choose(request, view, loads, self.cost), chain, view, loads)
+            decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
+        else:
+            decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
+        return RouteChoice(decision, chain, view, loads)
 
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:
