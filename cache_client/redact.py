@@ -15,7 +15,7 @@ import traceback
 
 
 def exc_summary(exc: BaseException) -> str:
-    """`TypeError at router/proxy.py:123 (_handle)`: type and innermost frame, no message."""
+    """`TypeError at router/proxy/handler.py:123 (_handle)`: type and innermost frame, no message."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return type(exc).__name__

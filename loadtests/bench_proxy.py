@@ -15,7 +15,8 @@ the router's process-tree CPU time (psutil) and samples its RSS.
 
 Router names: `direct` (the load generator talks to the upstream ports itself),
 `kvroute-POLICY` with optional `-pN` (`--processes N`) and `+CLIENT` (the forwarding client,
-`KVROUTE_UPSTREAM_CLIENT`: `raw`, `httpx` or `aiohttp`), and the Rust routers `sglang-router`,
+the `upstream_client` setting, passed as `KVROUTE_UPSTREAM_CLIENT`: `raw`, `httpx` or
+`aiohttp`), and the Rust routers `sglang-router`,
 `vllm-router` (policy `--peer-policy`, default cache_aware) or `vllm-router/consistent_hash`,
 installed on demand into venvs under ~/.cache/kvroute/peers/NAME and launched by
 `loadtests/peers.py`.

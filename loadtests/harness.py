@@ -1,7 +1,7 @@
 """The measuring side of `kvroute bench`: a streaming client and honest-harness monitors.
 
 * `drive()` plays a `Workload` against an OpenAI-compatible endpoint: one asyncio task per
-  session, each request streamed over SSE (with router.upstream's HTTP/1.1 client), timing
+  session, each request streamed over SSE (with router.proxy.upstream's HTTP/1.1 client), timing
   the first token and the decode. Every duration is taken on the wall clock and divided by
   the time scale, so all figures are in simulated seconds.
 * `LoopLag`, `HttpProbe` and `ProcessMonitor` record what this machine is doing meanwhile:
@@ -28,7 +28,7 @@ import psutil
 
 from loadtests.workload import Conversation, Workload
 from router.aio import cancel_and_wait
-from router.upstream import RawUpstreamClient, UpstreamError
+from router.proxy.upstream import RawUpstreamClient, UpstreamError
 
 # -- Prometheus text ------------------------------------------------------------------------
 

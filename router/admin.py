@@ -130,8 +130,7 @@ def register_admin(api: FastAPI, app: KvrouteApp, token: KeyCheck | None) -> Non
         assert app.fleet is not None
         w = worker(name)
         app.fleet.drain(name, False)
-        if app.proxy is not None and app.proxy.admission is not None:
-            app.proxy.admission.released()  # capacity came back: let a queued request in
+        app.admission.released()  # capacity came back: let a queued request in
         return _json(200, info(w))
 
     @api.post("/debug/route", include_in_schema=False)
@@ -158,7 +157,8 @@ async def explain(app: KvrouteApp, path: str, body: dict[str, Any], session_head
     if kind is not None:
         body = canonicalize_body(body, proxy.settings.normalize)
     session_key = session_header or body.get("user")
-    decision, chain = await proxy.decide(body, kind, model, session_key)
+    choice = await proxy.decide(body, kind, model, session_key)
+    decision, chain = choice.decision, choice.chain
     candidates = app.fleet.candidates(model)
     names = [w.name for w in candidates]
     view = await app.index.lookup(chain.keys) if kind is not None and app.policy.uses_index else EMPTY_VIEW

@@ -36,10 +36,10 @@ from router.errors import RouterError, error_body
 from router.load import LoadBoard, LocalLoadBoard
 from router.looplag import LoopLagMonitor
 from router.metrics import CallbackGauge, RouterMetrics
-from router.overload import Admission
 from router.policies import make_policy
 from router.proxy import PROXIED_PATHS, Proxy, ProxySettings
-from router.upstream import make_upstream_client
+from router.proxy.admission import Admission, NoAdmission
+from router.proxy.upstream import UpstreamClient, make_upstream_client
 from router.workers import Fleet
 
 log = logging.getLogger("kvroute")
@@ -82,6 +82,13 @@ def proxy_settings(config: RouterConfig) -> ProxySettings:
     )
 
 
+def admission(config: RouterConfig) -> Admission:
+    """Per-worker in-flight limits and the wait queue, or none (`max_inflight_per_worker` 0)."""
+    if config.max_inflight_per_worker <= 0:
+        return NoAdmission()
+    return Admission(config.max_inflight_per_worker, config.queue_size, config.queue_timeout_s, config.retry_after_s)
+
+
 class KvrouteApp:
     """ASGI app. Components that need the event loop are built in the lifespan."""
 
@@ -93,8 +100,14 @@ class KvrouteApp:
         loads: LoadBoard | None = None,
         chains: ChainBuilder | None = None,
         metrics: RouterMetrics | None = None,
+        upstream: UpstreamClient | None = None,
+        health_client: httpx.AsyncClient | None = None,
     ) -> None:
         self.config = config
+        self._upstream = upstream
+        """The forwarding client to use instead of `config.upstream_client`'s (tests: a fake)."""
+        self._health_client = health_client
+        """The health checks' client instead of a new one (tests: an httpx MockTransport)."""
         # Given when the index reports its health into them (it is built before the app).
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.index: PrefixIndex = index if index is not None else MemoryIndex(config.kv_capacity_tokens)
@@ -108,11 +121,7 @@ class KvrouteApp:
         """Checked for every /v1/* request; None: no client authentication."""
         admin_token = resolve_admin_token(config.admin_token, config.admin_token_file)
         self.admin_token: KeyCheck | None = KeyCheck([admin_token]) if admin_token else None
-        self.admission: Admission | None = (
-            Admission(config.max_inflight_per_worker, config.queue_size, config.queue_timeout_s, config.retry_after_s)
-            if config.max_inflight_per_worker > 0
-            else None
-        )
+        self.admission: Admission = admission(config)
         self.outliers: OutlierDetector | None = None
         self.loop_lag = LoopLagMonitor()
         self._register_reliability_metrics()
@@ -127,7 +136,7 @@ class KvrouteApp:
         registry.register(
             CallbackGauge(
                 "kvroute_queue_depth", "Requests waiting for a worker slot (--max-inflight-per-worker).", (),
-                lambda: {(): float(self.admission.queued if self.admission is not None else 0)},
+                lambda: {(): float(self.admission.queued)},
             )
         )
 
@@ -135,7 +144,7 @@ class KvrouteApp:
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         c = self.config
-        client = httpx.AsyncClient(
+        client = self._health_client or httpx.AsyncClient(
             timeout=httpx.Timeout(connect=c.connect_timeout_s, read=None, write=c.connect_timeout_s, pool=None),
             limits=httpx.Limits(
                 max_connections=c.max_connections, max_keepalive_connections=c.max_connections, keepalive_expiry=30
@@ -160,7 +169,9 @@ class KvrouteApp:
         )
         # Forwarding has its own client: httpx (above, for health checks) costs O(open
         # connections) per request, the raw client O(1) (docs/performance.md).
-        upstream = make_upstream_client(connect_timeout_s=c.connect_timeout_s, max_connections=c.max_connections)
+        upstream = self._upstream or make_upstream_client(
+            connect_timeout_s=c.connect_timeout_s, max_connections=c.max_connections, kind=c.upstream_client
+        )
         self.proxy = Proxy(
             proxy_settings(c), self.fleet, self.index, self.loads, self.policy,
             cost_model(c), self.chains, self.metrics, upstream, admission=self.admission,

@@ -52,6 +52,9 @@ class RouterConfig:
     total_timeout_s: float | None = None
     max_connections: int = 4096
     forward_client_auth: bool = False
+    upstream_client: str = "raw"
+    """The forwarding client (router/proxy/upstream.py): "raw", or "httpx" / "aiohttp" to
+    compare against in benchmarks (`kvroute bench-proxy` names like kvroute-POLICY+httpx)."""
 
     # health
     health_interval_s: float = 2.0
@@ -71,7 +74,7 @@ class RouterConfig:
     outlier_ejection_s: float = 30.0
     outlier_max_ejected_fraction: float = 0.5
 
-    # overload (router/overload.py)
+    # overload (router/proxy/admission.py)
     max_inflight_per_worker: int = 0
     """Requests in flight to one worker before new ones wait (0: no limit)."""
     queue_size: int = 1024

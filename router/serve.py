@@ -43,6 +43,7 @@ HELP = {
     "api_keys_file": "file of client API keys, one a line (# comments)",
     "admin_token": "token for /admin/* and /debug/route; prefer env KVROUTE_ADMIN_TOKEN or --admin-token-file",
     "admin_token_file": "file holding the admin token",
+    "upstream_client": "forwarding client: raw (default), or httpx / aiohttp to compare in benchmarks",
     "max_inflight_per_worker": "requests in flight to one worker before new ones queue (0: no limit)",
     "queue_size": "requests that may wait for a worker slot; beyond, 429 with Retry-After",
     "queue_timeout_s": "longest a request waits for a worker slot before 429",

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from loadtests.routerproc import free_port
-from router.upstream import (
+from router.proxy.upstream import (
     RawUpstreamClient,
     UpstreamConnectError,
     UpstreamError,

@@ -15,10 +15,11 @@ its pool scans every connection on each checkout, polling each socket, so a requ
 O(open connections). With httpx the router spent 10.7 ms of CPU per request at 256
 concurrent requests; with this client 0.22 ms, all of the router's work included
 (docs/performance.md has the numbers, aiohttp's client among them). `HttpxUpstreamClient` keeps the httpx
-path behind the same interface for comparison (`KVROUTE_UPSTREAM_CLIENT=httpx`), and
-`AiohttpUpstreamClient` the other candidate measured (`=aiohttp`, if aiohttp is installed).
+path behind the same interface for comparison (`RouterConfig.upstream_client = "httpx"`,
+env `KVROUTE_UPSTREAM_CLIENT`), and `AiohttpUpstreamClient` the other candidate measured
+(`"aiohttp"`, if aiohttp is installed).
 
-Read timeouts are not here: router/deadlines.py bounds the first byte and the silence
+Read timeouts are not here: router/proxy/deadlines.py bounds the first byte and the silence
 between chunks for the proxy as a whole.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import socket
 import ssl
 import time
@@ -38,7 +38,6 @@ import httptools
 
 Headers = list[tuple[bytes, bytes]]
 
-CLIENT_ENV = "KVROUTE_UPSTREAM_CLIENT"
 # Past this many body bytes buffered and not yet relayed, stop reading from the worker, so
 # that a slow client slows its worker down (TCP backpressure) instead of growing memory.
 READ_HIGH_WATER = 1 << 20
@@ -590,15 +589,13 @@ class AiohttpUpstreamClient:
         await self._session.close()
 
 
-def make_upstream_client(
-    *, connect_timeout_s: float, max_connections: int, kind: str | None = None
-) -> UpstreamClient:
-    """The forwarding client; `KVROUTE_UPSTREAM_CLIENT=httpx` selects the httpx one (benchmarks)."""
-    kind = kind or os.environ.get(CLIENT_ENV, "raw")
+def make_upstream_client(*, connect_timeout_s: float, max_connections: int, kind: str) -> UpstreamClient:
+    """The forwarding client of `kind` (`RouterConfig.upstream_client`): "raw", or "httpx" /
+    "aiohttp" to compare against in benchmarks."""
     if kind == "raw":
         return RawUpstreamClient(connect_timeout_s=connect_timeout_s, max_connections_per_worker=max_connections)
     if kind == "httpx":
         return HttpxUpstreamClient(connect_timeout_s=connect_timeout_s, max_connections=max_connections)
     if kind == "aiohttp":
         return AiohttpUpstreamClient(connect_timeout_s=connect_timeout_s, max_connections=max_connections)
-    raise ValueError(f"{CLIENT_ENV}: unknown upstream client {kind!r} (raw, httpx or aiohttp)")
+    raise ValueError(f"upstream_client: unknown upstream client {kind!r} (raw, httpx or aiohttp)")

@@ -6,7 +6,9 @@ connection). With `max_inflight_per_worker` set, a request whose candidates are 
 limit waits in a FIFO queue for a slot; the queue holds at most `queue_size` requests, each
 for at most `queue_timeout_s`. Beyond that the router answers 429 with `Retry-After` at
 once, which costs next to nothing and tells well-behaved clients (the OpenAI SDKs retry
-429s) when to come back. With no worker serving at all the answer stays 503.
+429s) when to come back. With no worker serving at all the answer stays 503. Without
+`max_inflight_per_worker`, `NoAdmission` stands in: every worker always has room, so the
+handler asks the same questions either way and never checks for a missing admission.
 
 Fairness: while anyone waits, new arrivals queue behind them instead of grabbing the next
 free slot, and a slot that frees is handed to the head of the queue (`_handoffs` counts
@@ -126,6 +128,28 @@ class Admission:
             break
         if skipped is not None:
             self._waiters.appendleft(skipped)
+
+
+class NoAdmission(Admission):
+    """No in-flight limits: there is always room, nobody ever queues, nothing to hand over."""
+
+    def __init__(self) -> None:
+        super().__init__(per_worker=0, queue_size=0, queue_timeout_s=0.0)
+
+    def has_room(self, inflight: int) -> bool:
+        return True
+
+    def busy(self) -> bool:
+        return False
+
+    async def wait(self, deadline: float, *, requeue: bool = False, pass_on: bool = False) -> None:
+        return None  # a slot is always free
+
+    def end_turn(self) -> None:
+        return None
+
+    def released(self, *, skip_first: bool = False) -> None:
+        return None
 
 
 def _handed(fut: asyncio.Future[bool]) -> bool:

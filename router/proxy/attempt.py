@@ -1,0 +1,151 @@
+"""One try of one request on one worker: `Attempt`.
+
+Everything a try claims or reports is taken and given back here, in one object: the load
+ticket (`LoadBoard.acquire` when the attempt is made, `first_byte`, `release`), the circuit
+breaker's verdict (the handler asks `begin()` before making the attempt; then `success` at
+the first byte, `failure` before it or when the stream breaks after it, or `abandon` when
+neither comes), the fleet's passive health (`mark_ok` / `mark_failed`) and the admission
+slot handed on at release.
+
+`run()` sends the request and waits for the worker's first body byte. A failure before it
+(connect error, a 5xx answer, the first-byte deadline) raises `AttemptFailed`, and the
+handler tries the next worker; from the first byte on the answer is the client's (relay.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from router.breaker import CLOSED
+from router.proxy.deadlines import Flight
+from router.proxy.exchange import Exchange
+from router.proxy.relay import relay_stream, response_headers, send_whole
+from router.proxy.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
+from router.workers import Worker
+
+if TYPE_CHECKING:
+    from router.proxy.handler import Proxy
+
+_RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+
+class AttemptFailed(Exception):
+    """The worker failed before its first byte: the request may go to the next worker."""
+
+    def __init__(self, why: str, passive_down: bool) -> None:
+        super().__init__(why)
+        self.why = why
+        self.passive_down = passive_down
+        """A connection-level failure: take the worker out until a health check passes."""
+
+
+class Attempt:
+    __slots__ = ("chunks", "probing", "proxy", "reason", "ticket", "upstream", "worker")
+
+    def __init__(self, proxy: Proxy, worker: Worker, reason: str, prefill_s: float) -> None:
+        """Claim `worker` for one try; its breaker has admitted the try (`begin()`)."""
+        self.proxy = proxy
+        self.worker = worker
+        self.reason = reason
+        self.probing = worker.breaker.state is not CLOSED
+        """Holds a half-open breaker's probe slot: given back if no verdict comes."""
+        self.ticket = proxy.loads.acquire(worker.name, prefill_s)
+        self.upstream: UpstreamResponse | None = None
+        self.chunks: AsyncIterator[bytes] | None = None
+
+    # -- outcomes -----------------------------------------------------------------------
+    def first_byte(self, latency_s: float | None) -> None:
+        """The worker answered: its prefill leaves the queue; breaker and health see a success."""
+        proxy = self.proxy
+        proxy.loads.first_byte(self.ticket)
+        self.worker.breaker.success(latency_s)
+        proxy.fleet.mark_ok(self.worker.name)
+
+    async def failed(self, why: str, passive_down: bool) -> None:
+        """No first byte: the breaker and the metrics count a failure; a connection-level
+        failure (`passive_down`) takes the worker out until a health check passes."""
+        proxy = self.proxy
+        self.worker.breaker.failure(why)
+        proxy.metrics.requests.inc(self.worker.name, self.reason, "error")
+        if passive_down:
+            await proxy.fleet.mark_failed(self.worker.name)
+
+    def interrupted(self, why: str) -> None:
+        """The stream broke after its first byte: a failure for the breaker."""
+        self.worker.breaker.failure(why)
+
+    def abandon(self) -> None:
+        """The try ended without a verdict (the client left, a bug): free its probe slot."""
+        if self.probing:
+            self.worker.breaker.abandon()
+
+    def release(self) -> None:
+        """The try is over, whatever its outcome: its ticket and its slot go back."""
+        self.proxy.loads.release(self.ticket)
+        self.proxy.admission.released()
+
+    # -- forwarding ---------------------------------------------------------------------
+    async def run(self, ex: Exchange) -> None:
+        """Forward `ex` and answer the client from the worker's answer, whole or streamed."""
+        proxy = self.proxy
+        s = proxy.settings
+        deadlines = proxy.deadlines
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        flight = deadlines.track(s.first_byte_timeout_s if ex.stream else (s.total_timeout_s or s.first_byte_timeout_s), s.total_timeout_s)
+        try:
+            first = await self._send(ex, flight)
+            upstream: UpstreamResponse = self.upstream  # type: ignore[assignment]
+            status = upstream.status
+            relay = ex.stream and status == 200
+            # No await since the first byte arrived, so the deadline sweeper cannot have fired
+            # in between: move the deadline on (stream) or drop it (whole answer in hand) now,
+            # before the sends below can be cancelled by a first-byte deadline that passed.
+            if relay:
+                flight.extend(loop.time() + s.idle_timeout_s)
+            else:
+                deadlines.done(flight)
+            self.first_byte(loop.time() - sent_at if relay else None)
+            if relay:
+                proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)
+            headers = response_headers(upstream.headers, self.worker.name, self.reason)
+            proxy.metrics.requests.inc(self.worker.name, self.reason, str(status))
+            ex.started = True
+            if not relay:
+                ex.finished = True
+                await send_whole(ex.send, status, headers, first)
+                return
+            await relay_stream(ex, self, headers, first, self.chunks, flight)  # type: ignore[arg-type]
+        finally:
+            deadlines.done(flight)
+            if self.upstream is not None:
+                await self.upstream.aclose()
+
+    async def _send(self, ex: Exchange, flight: Flight) -> bytes:
+        """POST the payload; the first body chunk of a stream, else the whole body."""
+        proxy = self.proxy
+        worker = self.worker
+        headers = ex.headers
+        if worker.api_key and not proxy.settings.forward_client_auth:
+            headers = [*headers, (b"authorization", b"Bearer " + worker.api_key.encode())]
+        try:
+            upstream = self.upstream = await proxy.client.post(worker.url, ex.scope["path"], headers, ex.payload)
+            if upstream.status in _RETRYABLE_STATUS:
+                await upstream.read()
+                raise AttemptFailed(f"worker answered {upstream.status}", passive_down=False)
+            chunks = self.chunks = upstream.chunks()
+            if ex.stream and upstream.status == 200:
+                return await anext(chunks, b"")
+            return await upstream.read()
+        except asyncio.CancelledError:
+            if flight.expired is None:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise AttemptFailed("no first byte before the timeout", passive_down=False) from None
+        except UpstreamConnectError as exc:
+            raise AttemptFailed(str(exc), passive_down=True) from None
+        except UpstreamError as exc:
+            raise AttemptFailed(str(exc), passive_down=False) from None

@@ -1,0 +1,129 @@
+"""One client request on its way through the proxy: `Exchange`, and how its body is read.
+
+The handler creates one `Exchange` per request when it arrives and fills it in as the request
+moves on: the body as read, parsed, canonicalised and serialised once (`payload`, the exact
+bytes every attempt forwards), the headers to forward, the routing choice, the retry
+bookkeeping, and the flags the disconnect watcher and the error handlers read (`started`:
+the response has begun, so errors can no longer be answered with a status; `finished`: the
+last byte is being sent, so a disconnect now is no cancellation; `disconnected`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from normalizer.canonical import canonicalize_body
+from router.chain import RequestKind
+from router.errors import RouterError
+from router.proxy.settings import PROXIED_PATHS, ProxySettings
+from router.requests import parse_body, validate
+
+if TYPE_CHECKING:
+    from router.proxy.handler import RouteChoice
+
+Headers = list[tuple[bytes, bytes]]
+
+# Never forwarded upstream: hop-by-hop headers (RFC 9110 §7.6.1), what the client sets itself,
+# and the client's credentials (workers get their own, see WorkerSpec.api_key).
+_DROP_REQUEST_HEADERS = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"accept-encoding", b"authorization", b"cookie", b"x-api-key",
+    }
+)
+
+
+class Disconnected(Exception):
+    """The client went away before an answer could start."""
+
+
+class Exchange:
+    __slots__ = (
+        "arrived", "attempts", "body", "choice", "disconnected", "finished", "headers", "kind",
+        "last_error", "model", "payload", "queue_deadline", "scope", "send", "session_key",
+        "started", "stream", "tried", "turn",
+    )  # fmt: skip
+
+    def __init__(self, scope: dict, send: Any, arrived: float) -> None:
+        self.scope = scope
+        self.send = send
+        self.arrived = arrived
+        """perf_counter() when the request arrived: route and TTFT metrics count from here."""
+        self.started = False
+        self.finished = False
+        self.disconnected = False
+        self.kind: RequestKind | None = None
+        self.body: dict[str, Any] = {}
+        self.model = ""
+        self.payload = b""
+        self.headers: Headers = []
+        """Forwarded to every worker tried (each attempt adds the worker's credential)."""
+        self.stream = False
+        self.session_key: str | None = None
+        self.choice: RouteChoice | None = None
+        """The latest routing decision (None until the first)."""
+        self.attempts = 0
+        self.tried: set[str] = set()
+        self.last_error = "no worker tried"
+        self.turn = False
+        """Holds a slot handed over by the admission queue, until it takes a ticket."""
+        self.queue_deadline = 0.0
+        """Loop time by which a queued request must have a slot (0: never queued yet)."""
+
+    def load(self, raw: bytes, settings: ProxySettings) -> None:
+        """Parse the body once, check it, and serialise its canonical form for forwarding."""
+        kind = self.kind = PROXIED_PATHS[self.scope["path"]]
+        body = parse_body(raw)
+        self.model = validate(body, kind)
+        try:
+            if kind is not None:
+                body = canonicalize_body(body, settings.normalize)
+            self.payload = orjson.dumps(body)
+        except (orjson.JSONEncodeError, RecursionError):
+            # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.
+            raise RouterError(400, "The request body is nested too deeply.", "invalid_body") from None
+        self.body = body
+        self.session_key = self.header(b"x-session-id") or body.get("user")
+        self.headers = _upstream_headers(self.scope, settings.forward_client_auth)
+        self.stream = body.get("stream") is True
+
+    def header(self, name: bytes) -> str | None:
+        for k, v in self.scope["headers"]:
+            if k == name:
+                return v.decode("latin-1")
+        return None
+
+
+def _upstream_headers(scope: dict, forward_client_auth: bool) -> Headers:
+    headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST_HEADERS]
+    if forward_client_auth:
+        headers += [(k, v) for k, v in scope["headers"] if k == b"authorization"]
+    headers.append((b"accept-encoding", b"identity"))
+    return headers
+
+
+def _too_large(limit: int) -> RouterError:
+    return RouterError(413, f"Request body exceeds the limit of {limit} bytes.", "request_too_large")
+
+
+async def read_body(scope: dict, receive: Any, limit: int) -> bytes:
+    """The whole request body, refused (413) as soon as it is known to exceed `limit`."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)

@@ -1,0 +1,295 @@
+"""The hot path: the proxied OpenAI endpoints as a raw ASGI handler.
+
+Per request: read the body (bounded), parse it once (orjson), canonicalize it, hash its
+prefix chain once, look the chain up in the index (at most one round trip), ask the policy,
+forward the canonical bytes, and relay the answer. Streams are relayed chunk by chunk as
+the worker sends them, never parsed or re-serialised.
+
+Failures before the first byte (connect errors, 5xx answers, first-byte timeouts) are
+retried on the next worker of the policy's ranking; after the first byte a stream ends with
+an OpenAI-style error event and `[DONE]`. A client that disconnects cancels the handler,
+which closes the upstream request so the engine aborts it and frees its KV blocks.
+
+This module is the request's outline: `Proxy.__call__` (the ASGI entry: body, errors,
+disconnects), `decide` (rank the candidates), `_handle` (then, for each candidate in
+order, one `Attempt`, attempt.py; the answer itself is relay.py's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Literal, NamedTuple
+
+from cache_client.base import EMPTY_VIEW, POOL, IndexView, PrefixIndex, key_tokens_of
+from cache_client.redact import exc_summary
+from normalizer.prefix import PrefixChain
+from router.chain import ChainBuilder, RequestKind
+from router.cost import CostModel
+from router.errors import RouterError
+from router.load import LoadBoard
+from router.metrics import RouterMetrics
+from router.policies.base import Policy
+from router.policies.least_loaded import LeastLoadedPolicy
+from router.proxy.admission import Admission, NoAdmission
+from router.proxy.attempt import Attempt, AttemptFailed
+from router.proxy.deadlines import Deadlines
+from router.proxy.exchange import Disconnected, Exchange, read_body
+from router.proxy.relay import send_whole
+from router.proxy.settings import ProxySettings
+from router.proxy.upstream import UpstreamClient
+from router.routing import RouteDecision, RouteRequest, WorkerLoad
+from router.workers import Fleet, Worker
+
+log = logging.getLogger("kvroute.proxy")
+
+_EMBEDDINGS_POLICY = LeastLoadedPolicy()
+_EMPTY_CHAIN = PrefixChain((), (), 0)
+
+_Outcome = Literal["answered", "full", "exhausted"]
+"""How one pass over a ranking ended: a worker answered; every worker left was at its
+in-flight limit (wait for a slot); or nothing is left to try."""
+
+
+class RouteChoice(NamedTuple):
+    """What `Proxy.decide` chose, and what it chose on."""
+
+    decision: RouteDecision
+    chain: PrefixChain
+    view: IndexView
+    """The index's answer for `chain` (EMPTY_VIEW if the policy does not use the index)."""
+    loads: list[WorkerLoad]
+    """The candidates' loads the policy saw, in candidate order."""
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        fleet: Fleet,
+        index: PrefixIndex,
+        loads: LoadBoard,
+        policy: Policy,
+        cost: CostModel,
+        chains: ChainBuilder,
+        metrics: RouterMetrics,
+        client: UpstreamClient,
+        admission: Admission | None = None,
+    ) -> None:
+        self.settings = settings
+        self.admission: Admission = admission if admission is not None else NoAdmission()
+        """Per-worker in-flight limits and the wait queue (NoAdmission: no limits)."""
+        self.fleet = fleet
+        self.index = index
+        self.loads = loads
+        self.policy = policy
+        self.cost = cost
+        self.chains = chains
+        self.metrics = metrics
+        self.client = client
+        self.deadlines = Deadlines()
+
+    # -- ASGI entry ---------------------------------------------------------------------
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        ex = Exchange(scope, send, time.perf_counter())
+        task = asyncio.current_task()
+        watcher: asyncio.Task | None = None
+        try:
+            raw = await read_body(scope, receive, self.settings.max_body_bytes)
+            watcher = asyncio.create_task(self._watch(ex, receive, task))  # type: ignore[arg-type]
+            ex.load(raw, self.settings)
+            await self._handle(ex)
+        except Disconnected:
+            self.metrics.client_disconnects.inc()
+        except RouterError as exc:
+            self.metrics.rejected.inc(exc.code)
+            if not ex.started:
+                await send_whole(send, exc.status, exc.headers(), exc.body())
+        except asyncio.CancelledError:
+            if ex.disconnected:
+                self.metrics.client_disconnects.inc()
+            else:
+                # Cancelled by the server itself: the graceful-shutdown grace period ran out.
+                # Answer what can still be answered instead of letting the server log a
+                # traceback for every request still in flight.
+                log.warning("request on %s cancelled: the router is shutting down", scope["path"])
+                if not ex.started:
+                    error = RouterError(503, "The router is shutting down; retry.", "shutting_down", retry_after=1)
+                    with contextlib.suppress(Exception):
+                        await send_whole(send, 503, error.headers(), error.body())
+            task.uncancel()  # type: ignore[union-attr]
+        except Exception as exc:
+            # A bug, not bad input: the client gets an OpenAI-style 500 (never a traceback),
+            # the log gets the exception type and where it was raised (never its message,
+            # which may carry a worker URL).
+            log.error("internal error on %s: %s", scope["path"], exc_summary(exc))
+            self.metrics.rejected.inc("internal_error")
+            if not ex.started:
+                error = RouterError(500, "Internal router error.", "internal_error")
+                await send_whole(send, 500, error.headers(), error.body())
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    @staticmethod
+    async def _watch(ex: Exchange, receive: Any, task: asyncio.Task) -> None:
+        """Cancel the request's task when its client disconnects (before the answer ends)."""
+        # Loops because a server may hand over an empty body message first; only a
+        # disconnect ends the watch.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not ex.finished:
+            ex.disconnected = True
+            task.cancel()
+
+    # -- routing ------------------------------------------------------------------------
+    def _candidates(self, model: str) -> list[Worker]:
+        candidates = self.fleet.candidates(model)
+        if candidates:
+            return candidates
+        known = any(model in w.models for w in self.fleet)
+        if known or not any(w.models for w in self.fleet):
+            raise RouterError(503, "No healthy worker is available for this model.", "no_healthy_worker", retry_after=1)
+        raise RouterError(404, f"The model '{model}' does not exist.", "model_not_found")
+
+    async def decide(
+        self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
+    ) -> RouteChoice:
+        """Everything between a parsed body and a worker: the part `/debug/route` explains."""
+        candidates = self._candidates(model)
+        if kind is None:
+            chain, view = _EMPTY_CHAIN, EMPTY_VIEW
+        else:
+            chain = self.chains.build(body, kind)
+            view = EMPTY_VIEW
+            if self.policy.uses_index:
+                t0 = time.perf_counter()
+                view = await self.index.lookup(chain.keys)
+                self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
+        # Loads are read after the lookup: requests arriving while it awaits (a Redis round
+        # trip) must see each other's tickets, or a burst all lands on one worker.
+        loads = self.loads.snapshot([w.name for w in candidates])
+        if self.fleet.scrape_metrics:
+            # The engines' own queues also count requests of other routers sharing them.
+            loads = [
+                replace(load, engine_waiting=int(w.metrics.get("vllm:num_requests_waiting", 0)))
+                for load, w in zip(loads, candidates, strict=True)
+            ]
+        if kind is None:
+            decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
+        else:
+            decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
+        return RouteChoice(decision, chain, view, loads)
+
+    # -- rank, then attempt each candidate in turn --------------------------------------
+    async def _handle(self, ex: Exchange) -> None:
+        admission = self.admission
+        try:
+            if admission.busy():
+                await self._wait_for_slot(ex)
+            while True:
+                choice = await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
+                if ex.choice is None:
+                    self._observe_route(ex, choice)
+                ex.choice = choice
+                outcome = await self._try_ranking(ex, choice)
+                if outcome == "answered":
+                    return
+                if outcome == "exhausted" or ex.attempts >= self.settings.max_attempts:
+                    break
+                # Every worker we could still try is at its in-flight limit: wait for a slot.
+                await self._wait_for_slot(ex)
+        finally:
+            if ex.turn:
+                admission.end_turn()
+        raise RouterError(502, f"The request failed on every worker tried ({ex.last_error}).", "upstream_unavailable")
+
+    def _observe_route(self, ex: Exchange, choice: RouteChoice) -> None:
+        """The first decision's metrics (a request re-ranked after queueing counts once)."""
+        self.metrics.route_seconds.observe(time.perf_counter() - ex.arrived)
+        if ex.kind is not None:
+            self.metrics.prompt_tokens.inc(amount=choice.chain.total_tokens)
+            self.metrics.predicted_cached.inc(amount=choice.decision.cached_tokens)
+
+    async def _wait_for_slot(self, ex: Exchange) -> None:
+        """Queue until the admission hands this request a slot (429 if none comes in time)."""
+        admission = self.admission
+        if not ex.queue_deadline:
+            ex.queue_deadline = asyncio.get_running_loop().time() + admission.queue_timeout_s
+        requeue, ex.turn = ex.turn, False
+        await admission.wait(ex.queue_deadline, requeue=requeue, pass_on=requeue and self._room_anywhere())
+        ex.turn = True
+
+    async def _try_ranking(self, ex: Exchange, choice: RouteChoice) -> _Outcome:
+        """Offer the request to the ranked workers in order, one attempt each, until one answers."""
+        decision = choice.decision
+        admission = self.admission
+        max_attempts = self.settings.max_attempts
+        full = False
+        for name in (decision.worker, *decision.ranking):
+            if ex.attempts >= max_attempts:
+                break
+            if ex.disconnected:
+                # The client left while a timeout was being handled (both cancelled
+                # this task, one cancellation was consumed): no retry for nobody.
+                raise Disconnected()
+            worker = self.fleet.get(name)
+            if worker is None or name in ex.tried or not worker.serving:
+                continue
+            if not admission.has_room(self.loads.inflight(name)):
+                full = True
+                continue
+            if not worker.breaker.begin():
+                continue
+            if name == decision.worker:
+                attempt = Attempt(self, worker, decision.reason, decision.prefill_s)
+            else:
+                reason = "retry" if ex.attempts else "overload"
+                attempt = Attempt(self, worker, reason, self.cost.prefill_s(0, choice.chain.total_tokens))
+            if ex.turn:
+                admission.end_turn()
+                ex.turn = False
+            ex.attempts += 1
+            ex.tried.add(name)
+            if await self._attempt(ex, attempt, choice.chain):
+                return "answered"
+        return "full" if full else "exhausted"
+
+    async def _attempt(self, ex: Exchange, attempt: Attempt, chain: PrefixChain) -> bool:
+        """One try on one worker: True if it answered, False if the next worker may try."""
+        try:
+            if self.chains.records_on_route and chain.keys:
+                await self._record(attempt.worker.name, chain)
+            await attempt.run(ex)
+            return True
+        except AttemptFailed as exc:
+            ex.last_error = exc.why
+            await attempt.failed(exc.why, exc.passive_down)
+            retrying = ex.attempts < self.settings.max_attempts
+            if retrying:
+                self.metrics.retries.inc()
+            log.warning("worker %s failed before the first byte (%s); %s", attempt.worker.name, exc.why,
+                        "retrying" if retrying else "giving up")
+            return False
+        except BaseException:
+            attempt.abandon()
+            raise
+        finally:
+            attempt.release()
+
+    def _room_anywhere(self) -> bool:
+        """Some serving worker has a free slot (that this request could not use)."""
+        admission = self.admission
+        return any(w.serving and admission.has_room(self.loads.inflight(w.name)) for w in self.fleet)
+
+    async def _record(self, worker: str, chain: PrefixChain) -> None:
+        key_tokens = key_tokens_of(chain.cum_tokens)
+        await self.index.record(worker, chain.keys, key_tokens)
+        if self.settings.pool_enabled:
+            await self.index.record(POOL, chain.keys, key_tokens)
+
+    async def close(self) -> None:
+        await self.deadlines.close()

@@ -1,0 +1,99 @@
+"""From the worker's first byte on: the answer as the client gets it.
+
+A whole answer (`send_whole`) leaves in one body message, with its length. A stream
+(`relay_stream`) is relayed chunk by chunk as the worker sends it, never parsed or
+re-serialised; each chunk costs one `send` and a float store that moves the flight's idle
+deadline on (router/proxy/deadlines.py: no timer per chunk). A stream that breaks after its
+first byte ends with an OpenAI-style error event (`stream_interrupted`) and `data: [DONE]`,
+which clients parse, rather than a cut connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from router.errors import sse_error_event
+from router.metrics import RouterMetrics
+from router.proxy.deadlines import Flight
+from router.proxy.exchange import Exchange, Headers
+from router.proxy.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from router.proxy.attempt import Attempt
+
+log = logging.getLogger("kvroute.proxy")
+
+_DROP_RESPONSE_HEADERS = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"server", b"date",
+        b"location", b"x-kvroute-worker", b"x-kvroute-route-reason",
+    }
+)
+
+
+def response_headers(upstream_headers: Headers, worker: str, reason: str) -> Headers:
+    """The worker's headers the client may see, and which worker answered and why."""
+    headers = [(k, v) for k, v in upstream_headers if k not in _DROP_RESPONSE_HEADERS]
+    headers += [
+        (b"x-kvroute-worker", worker.encode()),
+        (b"x-kvroute-route-reason", reason.encode()),
+    ]
+    return headers
+
+
+async def send_whole(send: Any, status: int, headers: Headers, body: bytes) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def relay_stream(
+    ex: Exchange, attempt: Attempt, headers: Headers, first: bytes, chunks: AsyncIterator[bytes], flight: Flight
+) -> None:
+    proxy = attempt.proxy
+    metrics = proxy.metrics
+    send = ex.send
+    loop = asyncio.get_running_loop()
+    idle = proxy.settings.idle_timeout_s
+    tail = b""
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        async for chunk in chunks:
+            flight.extend(loop.time() + idle)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except asyncio.CancelledError:
+        if flight.expired is None:
+            if ex.disconnected:
+                raise
+            # Cancelled by the server: the graceful-shutdown grace period ran out. End
+            # the stream the way the client can parse rather than cutting it.
+            tail = stream_failed(metrics, "the router is shutting down")
+            ex.finished = True
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        if flight.expired == "total":
+            tail = stream_failed(metrics, "the request exceeded its total timeout")
+        else:
+            attempt.interrupted("stream stalled")
+            tail = stream_failed(metrics, "the worker stopped sending (timeout)")
+    except UpstreamError as exc:
+        attempt.interrupted("stream broken")
+        tail = stream_failed(metrics, f"the worker connection failed ({exc})")
+    proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
+    ex.finished = True
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def stream_failed(metrics: RouterMetrics, why: str) -> bytes:
+    """The tail of a stream that broke after its first byte: an error event, then [DONE]."""
+    metrics.stream_errors.inc()
+    log.warning("stream broken after its first byte: %s", why)
+    return sse_error_event(f"The stream was interrupted: {why}.", "stream_interrupted")

@@ -1,0 +1,1 @@
+"""Helpers shared by tests: in-process fakes and drivers."""
