@@ -37,7 +37,7 @@ from router.policies.base import Policy
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.redact import exc_summary
 from router.requests import parse_body, validate
-from router.routing import RouteDecision, RouteRequest
+from router.routing import Routed, RouteRequest
 from router.upstream import UpstreamClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 from router.workers import Fleet, Worker
 
@@ -206,10 +206,15 @@ class Proxy:
             raise RouterError(503, "No healthy worker is available for this model.", "no_healthy_worker", retry_after=1)
         raise RouterError(404, f"The model '{model}' does not exist.", "model_not_found")
 
+    def canonical(self, body: dict[str, Any], kind: RequestKind | None) -> dict[str, Any]:
+        """The body as it is routed and forwarded: generation requests canonicalized (so that
+        equal prompts hash and cache alike), embeddings as sent."""
+        return body if kind is None else canonicalize_body(body, self.settings.normalize)
+
     async def decide(
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
-    ) -> tuple[RouteDecision, PrefixChain]:
-        """Everything between a parsed body and a worker: the part `/debug/route` explains."""
+    ) -> Routed:
+        """Everything between a canonical body and a worker: the part `/debug/route` explains."""
         candidates = self._candidates(model)
         if kind is None:
             chain, view = _EMPTY_CHAIN, EMPTY_VIEW
@@ -230,17 +235,16 @@ class Proxy:
                 for load, w in zip(loads, candidates, strict=True)
             ]
         if kind is None:
-            return _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost), chain
+            return Routed(_EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost), chain, view, loads)
         request = RouteRequest(chain, session_key)
-        return self.policy.choose(request, view, loads, self.cost), chain
+        return Routed(self.policy.choose(request, view, loads, self.cost), chain, view, loads)
 
     async def _handle(self, scope: dict, raw: bytes, send, started: float, state: dict) -> None:
         kind = PROXIED_PATHS[scope["path"]]
         body = parse_body(raw)
         model = validate(body, kind)
         try:
-            if kind is not None:
-                body = canonicalize_body(body, self.settings.normalize)
+            body = self.canonical(body, kind)
             payload = orjson.dumps(body)
         except (orjson.JSONEncodeError, RecursionError):
             # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.
@@ -264,7 +268,8 @@ class Proxy:
                 await admission.wait(deadline)
                 turn = True
             while True:
-                decision, chain = await self.decide(body, kind, model, session_key)
+                routed = await self.decide(body, kind, model, session_key)
+                decision, chain = routed.decision, routed.chain
                 if not observed:
                     observed = True
                     self.metrics.route_seconds.observe(time.perf_counter() - started)
