@@ -15,20 +15,19 @@ token every admin endpoint answers 403.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from cache_client.base import EMPTY_VIEW
-from normalizer.canonical import canonicalize_body
 from router.auth import KeyCheck, unauthorized
 from router.errors import RouterError
 from router.proxy import PROXIED_PATHS
 from router.requests import parse_body, validate
-from router.routing import cached_tokens
-from router.workers import Worker, WorkerSpec, parse_worker_arg
+from router.routing import CandidateScore, WorkerLoad
+from router.workers import Fleet, Worker, WorkerSpec, parse_worker_arg
 
 if TYPE_CHECKING:
     from router.app import KvrouteApp
@@ -144,47 +143,66 @@ def register_admin(api: FastAPI, app: KvrouteApp, token: KeyCheck | None) -> Non
 
 
 async def explain(app: KvrouteApp, path: str, body: dict[str, Any], session_header: str | None) -> dict[str, Any]:
-    """What `Proxy.decide` chooses for this body, and the numbers behind it per worker.
+    """What `Proxy.decide` chooses for this body, and the numbers it chose by.
 
-    The per-worker prediction is the cache-aware policy's: queued prefill + in-flight ×
-    the per-request batch penalty + the prefill of the tokens the worker does not hold
-    (tokens in the shared pool cost their copy instead).
+    Everything shown comes from that one decision (its one index lookup, the loads it read,
+    the policy's own price of each candidate in `RouteDecision.scores`), never recomputed
+    here, so the explanation cannot disagree with the decision. Policies that do not price
+    candidates (all but cache_aware) show the candidates' loads only.
     """
     assert app.fleet is not None and app.proxy is not None
     proxy = app.proxy
     kind = PROXIED_PATHS[path]
     model = validate(body, kind)
-    if kind is not None:
-        body = canonicalize_body(body, proxy.settings.normalize)
-    session_key = session_header or body.get("user")
-    choice = await proxy.decide(body, kind, model, session_key)
-    decision, chain = choice.decision, choice.chain
-    candidates = app.fleet.candidates(model)
-    names = [w.name for w in candidates]
-    view = await app.index.lookup(chain.keys) if kind is not None and app.policy.uses_index else EMPTY_VIEW
-    cost = proxy.cost
-    rows = []
-    for load in app.loads.snapshot(names):
-        gpu, pool = cached_tokens(chain, view, load.name)
-        reuse = max(gpu, pool)
-        prefill = cost.pool_load_s(pool - gpu) + cost.prefill_s(reuse, chain.total_tokens)
-        ttft = load.queued_prefill_s + load.inflight * cost.inflight_penalty_s + prefill
-        rows.append(
-            {
-                "worker": load.name,
-                "cached_tokens_gpu": gpu,
-                "cached_tokens_pool": pool,
-                "predicted_prefill_s": prefill,
-                "predicted_ttft_s": ttft,
-                "inflight": load.inflight,
-                "queued_prefill_s": load.queued_prefill_s,
-                "recent": load.recent,
-            }
-        )
-    rows.sort(key=lambda r: r["predicted_ttft_s"])
+    body = proxy.canonical(body, kind)
+    routed = await proxy.decide(body, kind, model, session_header or body.get("user"))
+    decision, loads = routed.decision, routed.loads
+    chosen: dict[str, Any] = {
+        "worker": decision.worker,
+        "reason": decision.reason,
+        "cached_tokens": decision.cached_tokens,
+        "predicted_prefill_s": decision.prefill_s,
+    }
+    if decision.scores:
+        rows = [_priced(score) for score in decision.scores]
+        mine = next(score for score in decision.scores if score.worker == decision.worker)
+        chosen.update(predicted_ttft_s=mine.ttft_s, score_s=mine.score_s)
+    else:
+        rows = [_load(load) for load in loads]
+    return {
+        "policy": app.policy.name,
+        "path": path,
+        "model": model,
+        "prompt_tokens": routed.chain.total_tokens,
+        "chosen": chosen,
+        "ranking": [decision.worker, *decision.ranking],
+        "candidates": rows,
+        "excluded": _excluded(app.fleet, {load.name for load in loads}),
+        "cost_model": asdict(proxy.cost),
+    }
+
+
+def _load(load: WorkerLoad) -> dict[str, Any]:
+    return {"worker": load.name, "inflight": load.inflight, "queued_prefill_s": load.queued_prefill_s, "recent": load.recent}
+
+
+def _priced(score: CandidateScore) -> dict[str, Any]:
+    return {
+        **_load(score.load),
+        "cached_tokens_gpu": score.gpu_tokens,
+        "cached_tokens_pool": score.pool_tokens,
+        "predicted_prefill_s": score.prefill_s,
+        "predicted_ttft_s": score.ttft_s,
+        "score_s": score.score_s,
+        "within_load_bound": score.within_bound,
+    }
+
+
+def _excluded(fleet: Fleet, candidates: set[str]) -> list[dict[str, str]]:
+    """The workers the decision did not consider, and why."""
     excluded = []
-    for w in app.fleet:
-        if w.name in names:
+    for w in fleet:
+        if w.name in candidates:
             continue
         if not w.healthy:
             why = "unhealthy"
@@ -195,18 +213,4 @@ async def explain(app: KvrouteApp, path: str, body: dict[str, Any], session_head
         else:
             why = "does not serve the model"
         excluded.append({"worker": w.name, "why": why})
-    return {
-        "policy": app.policy.name,
-        "path": path,
-        "model": model,
-        "prompt_tokens": chain.total_tokens,
-        "chosen": {
-            "worker": decision.worker,
-            "reason": decision.reason,
-            "cached_tokens": decision.cached_tokens,
-            "predicted_prefill_s": decision.prefill_s,
-        },
-        "ranking": [decision.worker, *decision.ranking],
-        "candidates": rows,
-        "excluded": excluded,
-    }
+    return excluded

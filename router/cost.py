@@ -21,6 +21,10 @@ Another model is described with the same five numbers (`--cost-*` flags).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.routing import WorkerLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +55,14 @@ class CostModel:
 
     def pool_load_s(self, tokens: int) -> float:
         return self.pool_load_s_per_token * max(tokens, 0)
+
+    def predicted_ttft_s(
+        self, load: WorkerLoad, gpu_tokens: int, pool_tokens: int, total_tokens: int
+    ) -> tuple[float, float]:
+        """(prefill seconds, time to first token) of a prompt of total_tokens on a worker at
+        `load` whose GPU holds the prompt's first gpu_tokens, with its first pool_tokens in
+        the shared pool. The longer of the two is reused, and what the pool holds beyond
+        the GPU is charged its copy instead of its prefill; the TTFT adds the prefill
+        already queued on the worker and the batch steps its running requests lengthen."""
+        prefill = self.pool_load_s(pool_tokens - gpu_tokens) + self.prefill_s(max(gpu_tokens, pool_tokens), total_tokens)
+        return prefill, load.queued_prefill_s + load.inflight * self.inflight_penalty_s + prefill

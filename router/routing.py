@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from cache_client.base import POOL, IndexView
+from cache_client.base import IndexView
 from normalizer.prefix import PrefixChain
 
 
@@ -31,6 +32,32 @@ class RouteRequest:
     session_key: str | None = None
 
 
+class CandidateScore(NamedTuple):
+    """One candidate as the cache-aware policy priced it. Scores compare in the policy's
+    order of preference (lower score, then fewer recent requests, then name; names are
+    unique, so comparison never reaches the later fields). A NamedTuple: the policy builds
+    one per candidate on every request, and sorts them as they are."""
+
+    score_s: float
+    """What the policy ranks by: `ttft_s`, plus one engine step if the candidate is not
+    the worker holding most of the prefix."""
+    recent: float
+    """Its decayed count of recent requests: the tie-break."""
+    worker: str
+    gpu_tokens: int
+    """Prompt tokens held on its GPU."""
+    pool_tokens: int
+    """Prompt tokens loadable from the shared pool."""
+    prefill_s: float
+    """Predicted prefill seconds of this request on it (`CostModel.predicted_ttft_s`)."""
+    ttft_s: float
+    """Predicted time to first token on it (`CostModel.predicted_ttft_s`)."""
+    within_bound: bool
+    """Under the bounded-load caps: only such candidates can be chosen."""
+    load: WorkerLoad
+    """The load it was priced at (in-flight count, queued prefill)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     worker: str
@@ -42,11 +69,20 @@ class RouteDecision:
     """Predicted prefill seconds of this request on the chosen worker."""
     ranking: tuple[str, ...] = ()
     """Other candidates, best first: where to retry if the chosen worker fails."""
+    scores: tuple[CandidateScore, ...] = ()
+    """Every candidate as the policy priced it, in its order of preference (the chosen one
+    is the first within the bound); empty for policies that do not price candidates."""
 
 
-def cached_tokens(chain: PrefixChain, view: IndexView, worker: str) -> tuple[int, int]:
-    """(tokens held on the worker's GPU, tokens loadable from the shared pool)."""
-    return chain.tokens_at_depth(view.depth(worker)), chain.tokens_at_depth(view.depth(POOL))
+class Routed(NamedTuple):
+    """`Proxy.decide`'s result: the decision and what it was made from."""
+
+    decision: RouteDecision
+    chain: PrefixChain
+    view: IndexView
+    """The one index lookup's answer (empty if the policy does not read the index)."""
+    loads: Sequence[WorkerLoad]
+    """The candidates' loads, as the policy saw them."""
 
 
 def rank_rest(chosen: str, loads: Sequence[WorkerLoad]) -> tuple[str, ...]:

@@ -74,6 +74,28 @@ def test_cache_aware_overload_spills_the_hot_worker() -> None:
     assert d.ranking[-1] == "a"
 
 
+def test_cache_aware_decision_carries_the_prices_it_ranked_by() -> None:
+    c = chain("x" * 8000, "y" * 40)
+    view = IndexView({"a": 3, "b": 1, POOL: 2})
+    state = {"a": {"recent": 10.0}, "b": {"inflight": 2, "queued_prefill_s": 0.03}, "c": {"recent": 1.0}}
+    candidates = loads("a", "b", "c", **state)
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, candidates, COST)
+    assert sorted(s.worker for s in d.scores) == ["a", "b", "c"]
+    assert [s.score_s for s in d.scores] == sorted(s.score_s for s in d.scores)  # best first
+    eligible = {w.name for w in within_bounds(candidates)}
+    for s, load in ((s, next(w for w in candidates if w.name == s.worker)) for s in d.scores):
+        gpu, pool = c.tokens_at_depth(view.depth(load.name)), c.tokens_at_depth(view.depth(POOL))
+        assert (s.gpu_tokens, s.pool_tokens, s.load, s.within_bound) == (gpu, pool, load, load.name in eligible)
+        assert (s.prefill_s, s.ttft_s) == COST.predicted_ttft_s(load, gpu, pool, c.total_tokens)
+        # Hysteresis: only the worker holding most of the prefix is ranked at its bare TTFT.
+        assert s.score_s == pytest.approx(s.ttft_s + (0 if load.name == "a" else COST.step_s))
+    chosen = next(s for s in d.scores if s.within_bound)
+    assert (d.worker, d.prefill_s, d.reason) == (chosen.worker, chosen.prefill_s, "overload")
+    assert not next(s for s in d.scores if s.worker == "a").within_bound
+    # Policies that do not price candidates leave the scores empty.
+    assert make_policy("round_robin").choose(RouteRequest(c), view, candidates, COST).scores == ()
+
+
 def test_new_sessions_spread_when_nothing_is_cached() -> None:
     policy = make_policy("cache_aware")
     counts: Counter[str] = Counter()

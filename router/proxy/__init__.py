@@ -10,7 +10,7 @@
     settings.py   `ProxySettings` and the proxied paths
 """
 
-from router.proxy.handler import Proxy, RouteChoice
+from router.proxy.handler import Proxy
 from router.proxy.settings import PROXIED_PATHS, ProxySettings
 
-__all__ = ["PROXIED_PATHS", "Proxy", "ProxySettings", "RouteChoice"]
+__all__ = ["PROXIED_PATHS", "Proxy", "ProxySettings"]

@@ -21,7 +21,8 @@ from router.proxy.settings import PROXIED_PATHS, ProxySettings
 from router.requests import parse_body, validate
 
 if TYPE_CHECKING:
-    from router.proxy.handler import RouteChoice
+    from normalizer.canonical import NormalizeOptions
+    from router.routing import Routed
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -63,7 +64,7 @@ class Exchange:
         """Forwarded to every worker tried (each attempt adds the worker's credential)."""
         self.stream = False
         self.session_key: str | None = None
-        self.choice: RouteChoice | None = None
+        self.choice: Routed | None = None
         """The latest routing decision (None until the first)."""
         self.attempts = 0
         self.tried: set[str] = set()
@@ -79,8 +80,7 @@ class Exchange:
         body = parse_body(raw)
         self.model = validate(body, kind)
         try:
-            if kind is not None:
-                body = canonicalize_body(body, settings.normalize)
+            body = canonical(body, kind, settings.normalize)
             self.payload = orjson.dumps(body)
         except (orjson.JSONEncodeError, RecursionError):
             # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.
@@ -95,6 +95,12 @@ class Exchange:
             if k == name:
                 return v.decode("latin-1")
         return None
+
+
+def canonical(body: dict[str, Any], kind: RequestKind | None, normalize: NormalizeOptions) -> dict[str, Any]:
+    """The body as it is routed and forwarded: generation requests canonicalized (so that
+    equal prompts hash and cache alike), embeddings as sent."""
+    return body if kind is None else canonicalize_body(body, normalize)
 
 
 def _upstream_headers(scope: dict, forward_client_auth: bool) -> Headers:

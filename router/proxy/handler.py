@@ -22,9 +22,9 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
-from cache_client.base import EMPTY_VIEW, POOL, IndexView, PrefixIndex, key_tokens_of
+from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
 from normalizer.prefix import PrefixChain
 from router.chain import ChainBuilder, RequestKind
@@ -37,11 +37,11 @@ from router.policies.least_loaded import LeastLoadedPolicy
 from router.proxy.admission import Admission, NoAdmission
 from router.proxy.attempt import Attempt, AttemptFailed
 from router.proxy.deadlines import Deadlines
-from router.proxy.exchange import Disconnected, Exchange, read_body
+from router.proxy.exchange import Disconnected, Exchange, canonical, read_body
 from router.proxy.relay import send_whole
 from router.proxy.settings import ProxySettings
 from router.proxy.upstream import UpstreamClient
-from router.routing import RouteDecision, RouteRequest, WorkerLoad
+from router.routing import Routed, RouteRequest
 from router.workers import Fleet, Worker
 
 log = logging.getLogger("kvroute.proxy")
@@ -52,17 +52,6 @@ _EMPTY_CHAIN = PrefixChain((), (), 0)
 _Outcome = Literal["answered", "full", "exhausted"]
 """How one pass over a ranking ended: a worker answered; every worker left was at its
 in-flight limit (wait for a slot); or nothing is left to try."""
-
-
-class RouteChoice(NamedTuple):
-    """What `Proxy.decide` chose, and what it chose on."""
-
-    decision: RouteDecision
-    chain: PrefixChain
-    view: IndexView
-    """The index's answer for `chain` (EMPTY_VIEW if the policy does not use the index)."""
-    loads: list[WorkerLoad]
-    """The candidates' loads the policy saw, in candidate order."""
 
 
 class Proxy:
@@ -155,10 +144,14 @@ class Proxy:
             raise RouterError(503, "No healthy worker is available for this model.", "no_healthy_worker", retry_after=1)
         raise RouterError(404, f"The model '{model}' does not exist.", "model_not_found")
 
+    def canonical(self, body: dict[str, Any], kind: RequestKind | None) -> dict[str, Any]:
+        """`body` as `decide` expects it and the workers get it (see `exchange.canonical`)."""
+        return canonical(body, kind, self.settings.normalize)
+
     async def decide(
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
-    ) -> RouteChoice:
-        """Everything between a parsed body and a worker: the part `/debug/route` explains."""
+    ) -> Routed:
+        """Everything between a canonical body and a worker: the part `/debug/route` explains."""
         candidates = self._candidates(model)
         if kind is None:
             chain, view = _EMPTY_CHAIN, EMPTY_VIEW
@@ -182,7 +175,7 @@ class Proxy:
             decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
         else:
             decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
-        return RouteChoice(decision, chain, view, loads)
+        return Routed(decision, chain, view, loads)
 
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:
@@ -207,7 +200,7 @@ class Proxy:
                 admission.end_turn()
         raise RouterError(502, f"The request failed on every worker tried ({ex.last_error}).", "upstream_unavailable")
 
-    def _observe_route(self, ex: Exchange, choice: RouteChoice) -> None:
+    def _observe_route(self, ex: Exchange, choice: Routed) -> None:
         """The first decision's metrics (a request re-ranked after queueing counts once)."""
         self.metrics.route_seconds.observe(time.perf_counter() - ex.arrived)
         if ex.kind is not None:
@@ -223,7 +216,7 @@ class Proxy:
         await admission.wait(ex.queue_deadline, requeue=requeue, pass_on=requeue and self._room_anywhere())
         ex.turn = True
 
-    async def _try_ranking(self, ex: Exchange, choice: RouteChoice) -> _Outcome:
+    async def _try_ranking(self, ex: Exchange, choice: Routed) -> _Outcome:
         """Offer the request to the ranked workers in order, one attempt each, until one answers."""
         decision = choice.decision
         admission = self.admission
