@@ -37,6 +37,7 @@ from router.load import LoadBoard, LocalLoadBoard
 from router.looplag import LoopLagMonitor
 from router.metrics import CallbackGauge, RouterMetrics
 from router.policies import make_policy
+from router.precise import PreciseMode
 from router.proxy import PROXIED_PATHS, Proxy, ProxySettings
 from router.proxy.admission import Admission, NoAdmission
 from router.proxy.upstream import UpstreamClient, make_upstream_client
@@ -177,9 +178,8 @@ class KvrouteApp:
             cost_model(c), self.chains, self.metrics, upstream, admission=self.admission,
         )
         await self.fleet.start()
-        start_chains = getattr(self.chains, "start", None)
-        if start_chains is not None:  # precise mode: KV-event ingestion (router/precise.py)
-            await start_chains(self)
+        if isinstance(self.chains, PreciseMode):  # KV-event ingestion (router/precise/events.py)
+            await self.chains.start(fleet=self.fleet, index=self.index, registry=self.metrics.registry)
         self.outliers = OutlierDetector(
             lambda: self.fleet or (),
             OutlierSettings(
@@ -204,9 +204,8 @@ class KvrouteApp:
         finally:
             for discovery in discoveries:
                 await discovery.stop()
-            stop_chains = getattr(self.chains, "stop", None)
-            if stop_chains is not None:
-                await stop_chains()
+            if isinstance(self.chains, PreciseMode):
+                await self.chains.stop()
             await self.outliers.stop()
             await self.loop_lag.stop()
             await self.fleet.stop()

@@ -2,7 +2,7 @@
 
 `EstimateChainBuilder` (the default) hashes message segments and estimates tokens at four
 bytes a token; the router records each routed chain in the index itself. Precise mode
-(`router/precise.py`) tokenizes with the model's own tokenizer and reproduces vLLM's block
+(`router/precise/`) tokenizes with the model's own tokenizer and reproduces vLLM's block
 hashes, and its index is fed by the workers' KV events instead.
 """
 

@@ -211,7 +211,7 @@ def make_app(config: RouterConfig):
     components: dict[str, Any] = {"metrics": metrics}
     if config.redis:
         components.update(redis_components(config, observer=metrics))
-    from router.precise import precise_from_env  # precise mode: --tokenizer & co.
+    from router.precise.flags import precise_from_env  # precise mode: --tokenizer & co.
 
     chains = precise_from_env()
     if chains is not None:
@@ -234,11 +234,14 @@ def app_from_env():
 def cli(argv: list[str]) -> int:
     import uvicorn
 
-    from router.precise import take_precise_flags  # precise-mode flags travel as KVROUTE_* env
+    from router.precise import require_precise_extra
+    from router.precise.flags import settings_from_env, take_precise_flags
 
-    argv = take_precise_flags(argv)
+    argv = take_precise_flags(argv)  # precise-mode flags travel as KVROUTE_* env
     config = load_config(argv)
     check_secrets(config)
+    if settings_from_env().tokenizer:
+        require_precise_extra()  # a clear exit now, not a traceback in every router process
     configure_logging(config.log_level)
     if not config.workers and not config.discover:
         print("kvroute serve: give at least one --worker NAME=URL or --discover TARGET", file=sys.stderr)

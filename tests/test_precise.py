@@ -9,6 +9,8 @@ tokens. tests/test_vllm_e2e.py repeats the comparison live when the vLLM venv ex
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
+from cache_client.memory import MemoryIndex
 from loadtests.vllm_e2e import build_model
 from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_digest
 from normalizer.vllm_hash import BlockHasher
@@ -111,7 +114,8 @@ def test_unmodelled_inputs_fall_back_to_estimates(tok: ModelTokenizer) -> None:
 
 
 def test_precise_flags_travel_through_the_environment(model_dir: Path) -> None:
-    from router.precise import PreciseMode, precise_from_env, take_precise_flags
+    from router.precise import PreciseMode
+    from router.precise.flags import precise_from_env, take_precise_flags
 
     env: dict[str, str] = {}
     rest = take_precise_flags(
@@ -134,9 +138,72 @@ def test_precise_flags_travel_through_the_environment(model_dir: Path) -> None:
 
 
 def test_without_a_block_size_precise_mode_waits_for_the_workers(model_dir: Path) -> None:
-    from router.precise import precise_from_env
+    from router.precise.flags import precise_from_env
 
     mode = precise_from_env({"KVROUTE_TOKENIZER": str(model_dir)})
     assert mode is not None and mode.hasher is None
     chain = mode.build({"model": "tiny", "prompt": "x " * 100}, "completion")
     assert mode.fallbacks == 1 and chain.keys  # estimate chain until cache_config_info is read
+
+
+METRICS = (
+    'vllm:cache_config_info{block_size="32",enable_prefix_caching="True",hash_block_size="None",'
+    'num_gpu_blocks="4096",prefix_caching_hash_algo="sha256_cbor"} 1.0\n'
+)
+
+
+class _ConfigWorker(BaseHTTPRequestHandler):
+    """Just enough of a vLLM worker for precise mode's start: health, models, cache config."""
+
+    def do_GET(self) -> None:
+        bodies = {
+            "/health": b"",
+            "/v1/models": json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode(),
+            "/metrics": METRICS.encode(),
+        }
+        body = bodies.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("content-length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+class _CapacityLog(MemoryIndex):
+    def __init__(self) -> None:
+        super().__init__(1000)
+        self.capacities: dict[str, int] = {}
+
+    def set_capacity(self, location: str, tokens: int) -> None:
+        self.capacities[location] = tokens
+        super().set_capacity(location, tokens)
+
+
+async def test_precise_mode_starts_with_the_apps_fleet_index_and_metrics(model_dir: Path) -> None:
+    from cache_client.kv_events import KvEventSource
+    from router.app import KvrouteApp
+    from router.config import RouterConfig
+    from router.precise import PreciseMode
+    from router.workers import WorkerSpec
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ConfigWorker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        source = KvEventSource("w1", "tcp://127.0.0.1:1")  # nobody publishes there: subscribed, silent
+        mode = PreciseMode(ModelTokenizer.from_dir(model_dir), sources=[source])
+        index = _CapacityLog()
+        app = KvrouteApp(RouterConfig(workers=[WorkerSpec("w1", url)]), index=index, chains=mode)
+        async with app.lifespan(app.api):
+            assert mode.hasher is not None and (mode.hasher.block_size, mode.hasher.algo) == (32, "sha256_cbor")
+            assert index.capacities["w1"] == 4096 * 32  # the worker's real KV size
+            assert mode.ingestor is not None and mode.ingestor.sources() == [source]
+            assert "kvroute_kv_events_batches_total" in app.metrics.registry.render()
+        assert mode._task is None
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
