@@ -239,6 +239,8 @@ class RunSpec:
 
 
 def run_once(router: RouterUnderTest, spec: RunSpec, upstream_pid: int | None) -> dict[str, Any]:
+    import psutil  # the `bench` extra, checked by cli()
+
     args = [sys.executable, "-m", "loadtests.loadgen", "--concurrency", str(spec.concurrency),
             "--duration", str(spec.duration_s), "--warmup", str(spec.warmup_s), "--chunks", str(spec.chunks),
             "--model", PACED_MODEL if spec.mode == "paced" else DEFAULT_MODEL]
@@ -250,8 +252,6 @@ def run_once(router: RouterUnderTest, spec: RunSpec, upstream_pid: int | None) -
     os.close(fd)
     out_file = Path(name)
     args += ["--out", str(out_file)]
-    import psutil
-
     proc = spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     try:

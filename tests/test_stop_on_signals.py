@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -49,7 +50,9 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
-def _descendants_once(proc: subprocess.Popen, ready: callable, timeout_s: float) -> list[psutil.Process]:
+def _descendants_once(
+    proc: subprocess.Popen, ready: Callable[[list[psutil.Process]], bool], timeout_s: float
+) -> list[psutil.Process]:
     """The command's whole process tree, once `ready(tree)` holds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
