@@ -37,6 +37,7 @@ import httpx
 import orjson
 
 from loadtests import harness
+from loadtests.extras import require_bench_extra
 from loadtests.harness import (
     HttpProbes,
     ProcessMonitor,
@@ -52,6 +53,8 @@ from loadtests.harness import (
     worker_hit_ratio,
 )
 from loadtests.peers import PEERS, PeerRouter, parse_peer, result_key
+from loadtests.plots import plot_or_log, ttft_by_turn, ttft_cdf
+from loadtests.processes import stop_children_on_signals
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, build_cost_model
 from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS as POOL_CAPACITY_TOKENS
@@ -547,8 +550,6 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
 
 
 def _plots(out: Path, records: dict[str, list[harness.RequestRecord]], title: str) -> list[str]:
-    from loadtests.plots import ttft_by_turn, ttft_cdf
-
     ttfts = {k: [r.ttft_s for r in rs if r.measured and r.ttft_s is not None] for k, rs in records.items()}
     by_turn: dict[str, dict[int, list[float]]] = {}
     for k, rs in records.items():
@@ -641,7 +642,6 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         from loadtests.guidellm_recipe import run_recipe
 
         guide = await asyncio.to_thread(run_recipe, out / "guidellm", args.workers, time_scale, args.profile, args.seed)
-    plots = _plots(out, records, f"{args.scenario}, {args.workers} workers")
     flags = {k: r["harness"]["bottleneck"]["flag"] for k, r in routers.items()}
     results = {
         "scenario": {
@@ -672,12 +672,28 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "bottleneck": any(flags.values()),
         "bottleneck_by_router": flags,
         "guidellm": guide,
-        "plots": plots,
+        "plots": [],
         "wall_s": time.monotonic() - started,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    write_markdown(out / "results.md", results)
+    write_outputs(out, results, records, f"{args.scenario}, {args.workers} workers")
     return results
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)  # a reader (or a kill) never sees half a file
+
+
+def write_outputs(out: Path, results: dict[str, Any], records: dict[str, list[harness.RequestRecord]], title: str) -> None:
+    """results.json and results.md first, then the plots: a plot that fails is logged and
+    loses nothing (the run's figures are on disk before matplotlib is even imported)."""
+    _write_json(out / "results.json", results)
+    write_markdown(out / "results.md", results)
+    plots = plot_or_log("kvroute bench", lambda: _plots(out, records, title))
+    if plots:
+        results["plots"] = plots
+        _write_json(out / "results.json", results)
 
 
 def _spec_dict(spec: Any) -> dict[str, Any]:
@@ -719,11 +735,13 @@ def cli(argv: list[str]) -> int:
         except ValueError:
             print("kvroute bench: --time-scale must be a positive number or 'auto'", file=sys.stderr)
             return 2
+    require_bench_extra("kvroute bench")
     import uvloop
 
     # The client plays hundreds of concurrent sessions: uvloop's lower cost per callback keeps
     # it from becoming the run's bottleneck.
-    results = uvloop.run(_main(args))
+    with stop_children_on_signals():
+        results = uvloop.run(_main(args))
     print(one_line_summary(results, args.out), flush=True)
     return 0
 

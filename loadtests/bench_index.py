@@ -49,6 +49,7 @@ from cache_client.base import POOL, PrefixIndex
 from cache_client.memory import MemoryIndex
 from cache_client.redis_conn import RedisBackend, parse_redis_url
 from cache_client.redis_index import RedisIndex
+from loadtests.processes import stop_children_on_signals
 from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, affinity, summarize
 from loadtests.routerproc import RouterProcess
 
@@ -375,18 +376,19 @@ def cli(argv: list[str]) -> int:
         save()
         print(f"{name}:", orjson.dumps(results[name]).decode(), flush=True)
 
-    if "lookup" in parts:
-        import uvloop
+    with stop_children_on_signals():
+        if "lookup" in parts:
+            import uvloop
 
-        with RedisServer() as server:
-            part("lookup", lambda: uvloop.run(bench_lookup(server.url)))  # uvloop, as the router runs
-    if "memory" in parts:
-        with RedisServer() as server:
-            part("memory", lambda: asyncio.run(bench_memory(server)))
-    if "replicas" in parts:
-        part("replicas", lambda: bench_replicas(args, log_dir))
-    if "outage" in parts:
-        part("outage", lambda: bench_outage(args, log_dir))
+            with RedisServer() as server:
+                part("lookup", lambda: uvloop.run(bench_lookup(server.url)))  # uvloop, as the router runs
+        if "memory" in parts:
+            with RedisServer() as server:
+                part("memory", lambda: asyncio.run(bench_memory(server)))
+        if "replicas" in parts:
+            part("replicas", lambda: bench_replicas(args, log_dir))
+        if "outage" in parts:
+            part("outage", lambda: bench_outage(args, log_dir))
     print(f"wrote {path} (router logs in {log_dir})")
     return 0
 

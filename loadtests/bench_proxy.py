@@ -41,7 +41,6 @@ import contextlib
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,10 +54,13 @@ from typing import Any
 
 import httpx
 import orjson
-import psutil
 
+from loadtests.extras import require_bench_extra
 from loadtests.fast_upstream import DEFAULT_MODEL, PACED_MODEL, raise_fd_limit
+from loadtests.harness import process_tree, tree_cpu_seconds, tree_rss_sizes
 from loadtests.peers import PEERS, PeerRouter, parse_peer
+from loadtests.plots import plot_or_log
+from loadtests.processes import spawn, stop_children_on_signals, stop_group
 from loadtests.routerproc import RouterProcess, free_port
 
 DEFAULT_ROUTERS = ("direct", "kvroute-cache_aware", "kvroute-round_robin", "sglang-router", "vllm-router")
@@ -69,37 +71,8 @@ _KVROUTE_NAME = re.compile(r"^kvroute-(?P<policy>[a-z_]+?)(?:-p(?P<procs>\d+))?(
 # -- processes ------------------------------------------------------------------------------
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def cpu_seconds(pid: int) -> float:
-    total = 0.0
-    for p in _tree(pid):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-def rss_bytes(pid: int) -> int:
-    total = 0
-    for p in _tree(pid):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            total += p.memory_info().rss
-    return total
-
-
-def per_process_rss(pid: int) -> list[int]:
-    out = []
-    for p in _tree(pid):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            out.append(p.memory_info().rss)
-    return out
+    return tree_cpu_seconds(process_tree(pid))
 
 
 class RssSampler:
@@ -121,7 +94,7 @@ class RssSampler:
     def sample(self) -> None:
         if self.pid is None:
             return
-        sizes = per_process_rss(self.pid)
+        sizes = tree_rss_sizes(self.pid)
         if sizes:
             self.peak_total = max(self.peak_total, sum(sizes))
             self.peak_process = max(self.peak_process, max(sizes))
@@ -139,18 +112,6 @@ class RssSampler:
         self.sample()
 
 
-def _kill_group(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
-
-
 class Upstream:
     """The fast upstream: one process listening on `workers` ports."""
 
@@ -166,12 +127,12 @@ class Upstream:
         for p in self.ports:
             args += ["--port", str(p)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        self.proc = spawn(args, stdout=log, stderr=log)
         _wait_http(next(iter(self.urls.values())) + "/health", 20.0, self.proc)
         return self
 
     def stop(self) -> None:
-        _kill_group(self.proc)
+        stop_group(self.proc)
 
 
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -279,6 +240,8 @@ class RunSpec:
 
 
 def run_once(router: RouterUnderTest, spec: RunSpec, upstream_pid: int | None) -> dict[str, Any]:
+    import psutil  # the `bench` extra, checked by cli()
+
     args = [sys.executable, "-m", "loadtests.loadgen", "--concurrency", str(spec.concurrency),
             "--duration", str(spec.duration_s), "--warmup", str(spec.warmup_s), "--chunks", str(spec.chunks),
             "--model", PACED_MODEL if spec.mode == "paced" else DEFAULT_MODEL]
@@ -290,7 +253,7 @@ def run_once(router: RouterUnderTest, spec: RunSpec, upstream_pid: int | None) -
     os.close(fd)
     out_file = Path(name)
     args += ["--out", str(out_file)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     try:
         line = proc.stdout.readline()
@@ -316,7 +279,7 @@ def run_once(router: RouterUnderTest, spec: RunSpec, upstream_pid: int | None) -
         finally:
             out_file.unlink(missing_ok=True)
     finally:
-        _kill_group(proc)
+        stop_group(proc)
     lat = sorted(result.pop("latency_us"))
     ttfb = sorted(result.pop("ttfb_us"))
     router_cpu = cpu1 - cpu0
@@ -592,6 +555,8 @@ def httpx_client_overhead(url: str, seconds: float = 2.0) -> float:
     body = request_bytes("x", "/", DEFAULT_MODEL, 0, 0, False, 40).split(b"\r\n\r\n", 1)[1]
 
     async def go() -> float:
+        import psutil
+
         async with httpx.AsyncClient(trust_env=False) as client:
             for _ in range(50):
                 await client.post(url + "/v1/chat/completions", content=body)
@@ -647,7 +612,12 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--processes-policy", default="cache_aware")
     parser.add_argument("--client-check", action="store_true", help="also measure httpx's client CPU per request")
     args = parser.parse_args(argv)
+    require_bench_extra("kvroute bench-proxy")
+    with stop_children_on_signals():
+        return _run(args, argv)
 
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     raise_fd_limit()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -752,10 +722,7 @@ def cli(argv: list[str]) -> int:
 
     (out / "results.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     (out / "results.md").write_text(render_markdown(results), encoding="utf-8")
-    try:
-        plot(results, out / "results.png")
-    except ImportError:
-        print("bench-proxy: matplotlib is missing; no plot (pip install 'kvroute[bench]')", file=sys.stderr)
+    plot_or_log("bench-proxy", lambda: plot(results, out / "results.png"))
     print((out / "results.md").read_text(encoding="utf-8"))
     bad = sorted({n for n, lv in results["routers"].items() for f in lv.values() if f["errors"]})
     if bad:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
+from loadtests.processes import stop_children_on_signals
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 
@@ -145,9 +146,10 @@ def cli(argv: list[str]) -> int:
     print(f"kvroute demo: {s.workers} simulated H200 workers (Llama-3-8B costs), {pool}, "
           f"{s.sessions} agent sessions x {s.turns} turns, time scale {s.time_scale}")
     results = []
-    for policy in args.policies.split(","):
-        print(f"  running {policy} ...", flush=True)
-        results.append(run_policy(policy, s))
+    with stop_children_on_signals():
+        for policy in args.policies.split(","):
+            print(f"  running {policy} ...", flush=True)
+            results.append(run_policy(policy, s))
     print()
     print(f"{'policy':<14}{'requests':>9}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'cache hits':>12}   mean TTFT by turn (s)")
     for r in results:

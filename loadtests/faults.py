@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import statistics
 import sys
@@ -36,9 +35,10 @@ from typing import Any
 
 import httpx
 import orjson
-import psutil
 
-from loadtests.harness import metric_sum, parse_prometheus, percentile
+from loadtests.extras import require_bench_extra
+from loadtests.harness import metric_sum, parse_prometheus, percentile, tree_rss_sizes
+from loadtests.processes import kill_group, stop_children_on_signals
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster, SimWorkerProcess
 
@@ -57,8 +57,7 @@ class RestartableWorker(SimWorkerProcess):
     def kill(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            kill_group(proc)
 
 
 @dataclass
@@ -208,7 +207,7 @@ def inflight(router: RouterProcess) -> float:
 
 
 def rss_mb(pid: int) -> float:
-    return psutil.Process(pid).memory_info().rss / 2**20
+    return tree_rss_sizes(pid)[0] / 2**20
 
 
 def log_events(path: str | None) -> list[str]:
@@ -541,6 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disconnects", type=int, default=60)
     p.add_argument("--quick", action="store_true", help="shorter runs")
     args = p.parse_args(argv)
+    require_bench_extra("python -m loadtests.faults", ("psutil",))
+    with stop_children_on_signals():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("sigkill", "faults", "overload"):

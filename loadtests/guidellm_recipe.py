@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests.processes import run, stop_children_on_signals
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.costs import DEFAULT_PROFILE, build_cost_model
 from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS as POOL_CAPACITY_TOKENS
@@ -104,7 +105,7 @@ def ensure_guidellm() -> Path:
         [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
          f"guidellm=={GUIDELLM_VERSION}"],
     ):  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        done = run(cmd, 1800, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"installing guidellm failed: {done.stderr[-2000:]}")
     marker.write_text(GUIDELLM_VERSION)
@@ -120,9 +121,9 @@ def ensure_tokenizer() -> tuple[Path, dict[str, Any]]:
         return path, json.loads(info_file.read_text())
     path.mkdir(parents=True, exist_ok=True)
     sizes = ",".join(str(s) for s in VOCAB_SIZES)
-    done = subprocess.run(
+    done = run(
         [str(exe.parent / "python"), "-c", _TRAIN_TOKENIZER, str(path), str(TARGET_BYTES_PER_TOKEN), sizes],
-        capture_output=True, text=True, timeout=600,
+        600, capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"training the tokenizer failed: {done.stderr[-2000:]}")
@@ -272,7 +273,7 @@ def run_recipe(
                 env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
                 t0 = time.monotonic()
                 with (out_dir / f"{policy}.guidellm.log").open("w") as log:
-                    done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=duration_s * time_scale + 900)
+                    done = run(cmd, duration_s * time_scale + 900, env=env, stdout=log, stderr=subprocess.STDOUT)
                 wall = time.monotonic() - t0
                 if done.returncode != 0 or not report_file.exists():
                     results["policies"][policy] = {"error": f"guidellm exited {done.returncode}; see {policy}.guidellm.log"}
@@ -293,10 +294,11 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=90.0, help="simulated seconds per policy")
     p.add_argument("--policies", default="random,cache_aware")
     args = p.parse_args(argv)
-    results = run_recipe(
-        Path(args.out), args.workers, args.time_scale, args.profile, args.seed,
-        tuple(x for x in args.policies.split(",") if x), args.duration,
-    )  # fmt: skip
+    with stop_children_on_signals():
+        results = run_recipe(
+            Path(args.out), args.workers, args.time_scale, args.profile, args.seed,
+            tuple(x for x in args.policies.split(",") if x), args.duration,
+        )  # fmt: skip
     (Path(args.out) / "guidellm_results.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results["policies"].items()}, separators=(",", ":")))
     return 0

@@ -16,19 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
-import psutil
 
 from loadtests.workload import Conversation, Workload
 from router.aio import cancel_and_wait
 from router.proxy.upstream import RawUpstreamClient, UpstreamError
+
+if TYPE_CHECKING:
+    import psutil
 
 # -- Prometheus text ------------------------------------------------------------------------
 
@@ -239,7 +242,12 @@ class HttpProbes:
         }
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and its descendants; empty once it is gone."""
+    # psutil is the `bench` extra: imported where it is used, so that importing this module
+    # does not need it and the commands can say which extra is missing before they start.
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         return [proc, *proc.children(recursive=True)]
@@ -250,7 +258,7 @@ def _tree(pid: int) -> list[psutil.Process]:
 def process_trees(pids: dict[str, int]) -> dict[str, list[psutil.Process]]:
     """Each named process with its descendants, minus the other named trees: the client
     starts the simulator and the router, which must not count as the client's CPU."""
-    trees = {name: _tree(pid) for name, pid in pids.items()}
+    trees = {name: process_tree(pid) for name, pid in pids.items()}
     claimed: dict[int, str] = {}
     # Smallest trees claim first: a named tree nested in another is smaller than it, so a
     # process belongs to its nearest named ancestor.
@@ -260,13 +268,27 @@ def process_trees(pids: dict[str, int]) -> dict[str, list[psutil.Process]]:
     return {name: [p for p in procs if claimed[p.pid] == name] for name, procs in trees.items()}
 
 
-def _cpu_seconds(procs: Iterable[psutil.Process]) -> float:
+def tree_cpu_seconds(procs: Iterable[psutil.Process]) -> float:
+    """User + system CPU seconds of the processes still alive."""
+    import psutil
+
     total = 0.0
     for p in procs:
         with contextlib.suppress(psutil.Error):
             t = p.cpu_times()
             total += t.user + t.system
     return total
+
+
+def tree_rss_sizes(pid: int) -> list[int]:
+    """Resident set size of each process of the tree rooted at `pid`."""
+    import psutil
+
+    sizes = []
+    for p in process_tree(pid):
+        with contextlib.suppress(psutil.Error):
+            sizes.append(p.memory_info().rss)
+    return sizes
 
 
 TREE_REFRESH_S = 10.0
@@ -290,11 +312,13 @@ class ProcessMonitor:
         self._thread: Any = None
 
     def _sample(self) -> None:
+        import psutil
+
         # Listing a tree's children reads every process's /proc entry: done once in a while,
         # not per sample, or this thread holds the client's GIL for a third of the time.
         trees = process_trees(self.pids)
         trees_at = time.monotonic()
-        last = {name: _cpu_seconds(trees[name]) for name in self.pids}
+        last = {name: tree_cpu_seconds(trees[name]) for name in self.pids}
         last_t = time.monotonic()
         psutil.cpu_percent(interval=None)
         while not self._stop:
@@ -304,7 +328,7 @@ class ProcessMonitor:
             if now - trees_at >= TREE_REFRESH_S:
                 trees, trees_at = process_trees(self.pids), now
             for name in self.pids:
-                cpu = _cpu_seconds(trees[name])
+                cpu = tree_cpu_seconds(trees[name])
                 self.peak_cores[name] = max(self.peak_cores[name], (cpu - last[name]) / max(now - last_t, 1e-9))
                 last[name] = cpu
             last_t = now
@@ -312,13 +336,13 @@ class ProcessMonitor:
     def start(self) -> None:
         import threading
 
-        self._cpu0 = {name: _cpu_seconds(procs) for name, procs in process_trees(self.pids).items()}
+        self._cpu0 = {name: tree_cpu_seconds(procs) for name, procs in process_trees(self.pids).items()}
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._cpu1 = {name: _cpu_seconds(procs) for name, procs in process_trees(self.pids).items()}
+        self._cpu1 = {name: tree_cpu_seconds(procs) for name, procs in process_trees(self.pids).items()}
         self._t1 = time.monotonic()
         self._stop = True
         if self._thread is not None:
@@ -329,7 +353,7 @@ class ProcessMonitor:
         busy = [s for s in self.system_samples if s >= SYSTEM_SATURATED_PERCENT]
         return {
             "wall_s": wall,
-            "machine_cores": psutil.cpu_count(),
+            "machine_cores": os.cpu_count(),
             "system_cpu_mean_percent": sum(self.system_samples) / len(self.system_samples) if self.system_samples else None,
             "system_cpu_saturated_fraction": len(busy) / len(self.system_samples) if self.system_samples else None,
             "process_cores_mean": {n: (self._cpu1.get(n, 0.0) - self._cpu0.get(n, 0.0)) / wall for n in self.pids},

@@ -22,9 +22,7 @@ the version this harness was checked against.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from loadtests.processes import run, spawn, stop_group
 from loadtests.routerproc import free_port
 from loadtests.workload import MODEL
 
@@ -97,7 +96,7 @@ def ensure_installed(name: str, log: list[str] | None = None) -> Path:
          f"{spec.package}=={spec.version}"],
     ]  # fmt: skip
     for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        done = run(cmd, 900, capture_output=True, text=True)
         if log is not None:
             log.append(f"$ {' '.join(cmd)}\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         if done.returncode != 0:
@@ -161,7 +160,7 @@ class PeerRouter:
         exe = ensure_installed(self.name)
         cmd = peer_command(self.name, self.policy, exe, self.worker_urls, self.port, self.metrics_port)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=peer_env(), stdout=out, stderr=out, start_new_session=True)
+        self.proc = spawn(cmd, env=peer_env(), stdout=out, stderr=out)
         try:
             self._wait_ready()
         except BaseException:
@@ -197,16 +196,7 @@ class PeerRouter:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        stop_group(proc)
 
     def __enter__(self) -> PeerRouter:
         return self.start()

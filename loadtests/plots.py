@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from loadtests.harness import percentile
+
+T = TypeVar("T")
+
+
+def plot_or_log(prog: str, draw: Callable[[], T]) -> T | None:
+    """Draw plots once the results are on disk: a failure (matplotlib missing or broken, a
+    figure that cannot be drawn) is logged and costs nothing else."""
+    try:
+        return draw()
+    except Exception as exc:
+        print(f"{prog}: no plots ({type(exc).__name__}: {exc}); the results are written", file=sys.stderr)
+        return None
 
 
 def _pyplot():  # imported lazily: matplotlib is the `bench` extra, and slow to import

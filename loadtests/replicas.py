@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import redis
 
+from loadtests.processes import kill_group, spawn
 from loadtests.routerproc import RouterProcess, port_free
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
@@ -120,7 +121,7 @@ class RedisServer:
             "--save", "", "--appendonly", "no", "--logfile", os.path.join(self.dir, "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_redis(self.port, **self._client_kwargs())
         return self
 
@@ -129,8 +130,7 @@ class RedisServer:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGCONT)  # a paused server must be able to die
-            proc.kill()
-            proc.wait(timeout=10)
+            kill_group(proc)
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open and nothing answers (a hung or very slow Redis)."""

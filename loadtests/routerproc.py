@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +10,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 import httpx
+
+from loadtests.processes import spawn, stop_group
 
 
 def port_free(port: int) -> bool:
@@ -60,7 +60,7 @@ class RouterProcess:
 
     def start(self) -> RouterProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=out, start_new_session=True)
+        self.proc = spawn(self.args, env=self.env, stdout=out, stderr=out)
         deadline = time.monotonic() + self.ready_timeout_s
         path = "/ready" if self.wait_ready else "/health"
         while time.monotonic() < deadline:
@@ -76,15 +76,7 @@ class RouterProcess:
         raise RuntimeError(f"kvroute serve did not become ready on port {self.port}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=10)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
+        stop_group(self.proc)
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text

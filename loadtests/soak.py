@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -32,10 +31,11 @@ from typing import Any
 
 import httpx
 import orjson
-import psutil
 
+from loadtests.extras import require_bench_extra
 from loadtests.faults import MODEL, RestartableWorker
 from loadtests.harness import metric_sum, parse_prometheus, percentile
+from loadtests.processes import stop_children_on_signals
 from loadtests.routerproc import RouterProcess
 
 FD_SLACK = 8
@@ -44,6 +44,8 @@ to the workers may have grown a little)."""
 
 
 def sample_process(pid: int) -> dict[str, float]:
+    import psutil  # the `bench` extra, checked by main()
+
     p = psutil.Process(pid)
     return {
         "rss_mb": p.memory_info().rss / 2**20,
@@ -213,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-every-s", type=float, default=30.0)
     p.add_argument("--sample-s", type=float, default=5.0)
     args = p.parse_args(argv)
+    require_bench_extra("python -m loadtests.soak", ("psutil",))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # children are stopped by the finally blocks
-    result = asyncio.run(soak(args.minutes, args.clients, args.workers, args.restart_every_s, args.sample_s))
+    with stop_children_on_signals():
+        result = asyncio.run(soak(args.minutes, args.clients, args.workers, args.restart_every_s, args.sample_s))
     result["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     (out / "soak.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     summary = {k: v for k, v in result.items() if k != "samples"}

@@ -2,10 +2,11 @@
 
 Runs only where the vLLM venv built by loadtests/vllm_e2e/setup_env.sh exists
 ($KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv); CI builds it in its own stage
-(loadtests/vllm_e2e/ci.sh). The full run takes several minutes, so by default this test
-runs the sequential checks only (exactness against /tokenize, (a) prediction == engine
-reuse per request, (c) pool reuse after a drain); KVROUTE_VLLM_E2E_FULL=1 adds the
-random-vs-cache_aware TTFT comparison (b).
+(loadtests/vllm_e2e/ci.sh, which also runs the reuse check). By default this test runs the
+sequential checks only (exactness against /tokenize, (a) prediction == engine reuse per
+request, (c) pool reuse after a drain); KVROUTE_VLLM_E2E_FULL=1 adds the reuse check and
+the random-vs-cache_aware TTFT benchmark (b), whose ratio is then asserted: a timed
+comparison, for a quiet machine, which is why CI does not run it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "report.json"
     cmd = [sys.executable, "-m", "loadtests.vllm_e2e.run_e2e", "--venv", paths["VENV"], "--model", paths["MODEL"],
            "--out", str(out)]
-    if os.environ.get("KVROUTE_VLLM_E2E_FULL") != "1":
+    if os.environ.get("KVROUTE_VLLM_E2E_FULL") == "1":
+        cmd.append("--ttft-benchmark")
+    else:
         cmd.append("--skip-policies")
     subprocess.run(cmd, cwd=ROOT, timeout=1500, check=False)
     assert out.exists(), "the end-to-end run wrote no report"

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from types import TracebackType
 from typing import Any
 
+from loadtests.processes import spawn, stop_group
 from loadtests.routerproc import port_free
 from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS, ChunkStore, LocalPoolClient, build_pool_app
 from loadtests.sim.serving import QuietServer, Teardown, run_servers, server_for
@@ -118,13 +117,7 @@ class _SimProcess:
         for _ in range(self.attempts):
             self._choose_ports()
             cmd = [sys.executable, "-m", "router.cli", *self._command()]
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
+            self.proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert self.proc.stdout is not None
             deadline = time.monotonic() + self.ready_timeout_s
             self.output = []
@@ -156,17 +149,7 @@ class _SimProcess:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+        stop_group(proc, timeout_s=5.0)
 
     def __enter__(self) -> Any:
         self.start()
