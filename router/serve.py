@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import types
 import typing
@@ -201,7 +202,25 @@ def app_from_env():
     return make_app(config)
 
 
+def _exit_zero(signum: int, frame: types.FrameType | None) -> None:
+    sys.exit(0)
+
+
+def exit_zero_on_sigterm() -> None:
+    """SIGTERM ends `kvroute serve` with status 0 once in-flight work is drained.
+
+    While it serves, uvicorn holds SIGTERM (stop accepting, let requests and streams finish for
+    timeout_graceful_shutdown) and afterwards re-raises it. Under the default action the drained
+    process then died of the signal (status 143) wherever it is not PID 1 (a shell, systemd,
+    `buildah run`), while as a container's PID 1 the kernel drops the re-raised signal and it
+    exited 0. This handler makes both exit 0, and makes a SIGTERM that arrives before uvicorn is
+    up end the process at once (PID 1 without a handler would ignore it until the SIGKILL).
+    """
+    signal.signal(signal.SIGTERM, _exit_zero)
+
+
 def cli(argv: list[str]) -> int:
+    exit_zero_on_sigterm()
     import uvicorn
 
     from router.precise import take_precise_flags  # precise-mode flags travel as KVROUTE_* env
