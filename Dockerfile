@@ -1,19 +1,21 @@
-# syntax=docker/dockerfile:1
 # kvroute router image.
 #
-#   docker build -t kvroute:0.1.0 .
+#   scripts/build-image                 # kvroute:VERSION, with docker or (no engine) buildah
+#   docker build -t kvroute:0.1.0 .     # the same with docker by hand
 #   docker run --rm -p 8000:8000 kvroute:0.1.0 --worker w0=http://vllm-0:8000
 #
 # Two stages: the builder turns the source tree into a wheel and installs it (with its
 # dependencies) into a virtualenv; the final stage is python:3.11-slim plus that virtualenv,
-# with no compiler, no pip cache and no source tree. tests/test_image_install.py runs the
-# same wheel -> venv -> `kvroute serve` steps without a Docker engine.
+# with no compiler, no pip (nor its cache) and no source tree. PYTHON_IMAGE swaps the base of
+# both stages (scripts/build-image --base local: a Debian base for machines that reach no
+# registry). .ci/image-check.sh builds the image and checks all this from inside it.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_PROGRESS_BAR=off \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 # Dependencies first, read from pyproject.toml: this layer is reused until the dependency
@@ -23,8 +25,11 @@ RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))
  && python -m venv /opt/venv \
  && /opt/venv/bin/pip install -r /tmp/requirements.txt
 COPY . .
-RUN python -m pip wheel --no-deps --wheel-dir /dist . \
+# The virtualenv's pip builds the wheel (a bare Debian python has no pip of its own) and is
+# then removed with setuptools: installers are build-time tools (16 + 7 MB of the image).
+RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist . \
  && /opt/venv/bin/pip install --no-deps /dist/kvroute-*.whl \
+ && /opt/venv/bin/pip uninstall --yes pip setuptools \
  && /opt/venv/bin/kvroute --version
 
 FROM ${PYTHON_IMAGE}

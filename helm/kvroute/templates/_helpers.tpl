@@ -100,8 +100,12 @@ app.kubernetes.io/part-of: kvroute
 {{- if not (and .Values.lmcache.enabled (eq .Values.lmcache.ipc "host")) -}}true{{- end -}}
 {{- end -}}
 
+{{/* REGISTRY/REPOSITORY:TAG; registry optional (only the router's image has one), tag
+     defaulting to .default (the chart's appVersion). */}}
 {{- define "kvroute.image" -}}
-{{- printf "%s:%s" .image.repository (toString (default .default .image.tag)) -}}
+{{- $repository := .image.repository -}}
+{{- with .image.registry }}{{ $repository = printf "%s/%s" (trimSuffix "/" .) $repository }}{{ end -}}
+{{- printf "%s:%s" $repository (toString (default .default .image.tag)) -}}
 {{- end -}}
 
 {{/* The router's config file: keys are `kvroute serve` flag names with underscores. */}}
