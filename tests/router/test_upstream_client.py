@@ -15,7 +15,7 @@ from router.upstream import (
     UpstreamError,
     make_upstream_client,
 )
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CHAT = orjson.dumps({"model": "rec-model", "messages": [{"role": "user", "content": "hi"}]})
 STREAM = orjson.dumps({"model": "rec-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]})

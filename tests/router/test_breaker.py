@@ -18,7 +18,7 @@ from router.breaker import (
     OutlierDetector,
     OutlierSettings,
 )
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 
 class Clock:

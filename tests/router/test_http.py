@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from loadtests.routerproc import RouterProcess
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 TOOL = {
     "type": "function",

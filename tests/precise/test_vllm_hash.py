@@ -29,7 +29,7 @@ from normalizer.vllm_hash import (
     parse_cache_config_info,
 )
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_block_hashes.json").read_text())
+FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm_block_hashes.json").read_text())
 
 
 def _captures():

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from loadtests.routerproc import RouterProcess
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 TOKEN = "admin-token-for-tests-0123"
 AUTH = {"authorization": "Bearer " + TOKEN}

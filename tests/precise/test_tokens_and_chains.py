@@ -21,7 +21,7 @@ from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_dig
 from normalizer.vllm_hash import BlockHasher
 from router.precise import ModelTokenizer, PreciseChainBuilder, content_format
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_tokenize.json").read_text())
+FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm_tokenize.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 import httpx
 
 from loadtests.routerproc import RouterProcess
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from loadtests.routerproc import RouterProcess, free_port
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CLIENT_KEY = "sk-client-leakcheck-5555"
 ADMIN_TOKEN = "admin-leakcheck-6666"

@@ -22,7 +22,7 @@ from cache_client.redis_index import (
 from loadtests.replicas import RedisServer
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from tests.test_index_contract import SYSTEM_REDIS, delete_prefix
+from tests.index.test_contract import SYSTEM_REDIS, delete_prefix
 
 # -- URLs (no server needed) -----------------------------------------------------------------
 

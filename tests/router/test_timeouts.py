@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import httpx
 
 from loadtests.routerproc import RouterProcess
-from tests.upstream import RecordingUpstream, UpstreamBehaviour
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hello there"}]}
 

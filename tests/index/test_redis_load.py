@@ -17,7 +17,7 @@ from cache_client.redis_index import RedisBackend, parse_redis_url
 from cache_client.redis_load import RedisLoadBoard
 from loadtests.replicas import RedisServer
 from router.load import LocalLoadBoard
-from tests.test_index_contract import SYSTEM_REDIS
+from tests.index.test_contract import SYSTEM_REDIS
 
 pytestmark = pytest.mark.redis
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvroute"
 PRODUCTION = CHART / "examples" / "production.yaml"
 DASHBOARD = ROOT / "helm" / "dashboards" / "kvroute.json"

@@ -32,7 +32,7 @@ from schemathesis.checks import (
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 from router.app import OPENAPI_PATH
-from tests.upstream import RecordingUpstream
+from tests.support.upstream import RecordingUpstream
 
 EXAMPLES = int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "20"))
 SIM_MODEL = "sim-llama3-8b"

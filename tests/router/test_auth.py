@@ -9,7 +9,7 @@ import pytest
 from loadtests.routerproc import RouterProcess
 from router.auth import KeyCheck, presented_key, resolve_admin_token, resolve_api_keys
 from router.serve import check_secrets, load_config
-from tests.upstream import RecordingUpstream
+from tests.support.upstream import RecordingUpstream
 
 CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hi"}]}
 FLAG_KEY = "sk-flag-key-1111"

@@ -17,7 +17,7 @@ from normalizer.canonical import NormalizeOptions, canonicalize_body
 from router.chain import EstimateChainBuilder
 from router.errors import RouterError
 from router.requests import parse_body, validate
-from tests.upstream import RecordingUpstream
+from tests.support.upstream import RecordingUpstream
 
 FIELDS = ["model", "messages", "prompt", "role", "content", "tool_calls", "function", "arguments", "name",
           "tool_call_id", "type", "text", "tools", "functions", "stream", "user"]

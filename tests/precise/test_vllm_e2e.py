@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVROUTE_VLLM_VENV", Path.home() / ".cache" / "kvroute" / "vllm-venv"))
 
 pytestmark = [
