@@ -6,7 +6,7 @@
 #
 # Two stages: the builder turns the source tree into a wheel and installs it (with its
 # dependencies) into a virtualenv; the final stage is python:3.11-slim plus that virtualenv,
-# with no compiler, no pip cache and no source tree. tests/test_image_install.py runs the
+# with no compiler, no pip cache and no source tree. tests/deploy/test_image.py runs the
 # same wheel -> venv -> `kvroute serve` steps without a Docker engine.
 
 ARG PYTHON_IMAGE=python:3.11-slim

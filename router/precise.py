@@ -28,7 +28,7 @@ transformers' `render_jinja_template`), for text requests:
 Multimodal parts, LoRA adapters, prompt embeddings and Mistral tokenizers change vLLM's
 block hashes in ways not modelled here: such requests fall back to the estimate chain.
 
-Exactness is checked against the worker's own `POST /tokenize` (tests/test_vllm_e2e.py).
+Exactness is checked against the worker's own `POST /tokenize` (tests/precise/test_vllm_e2e.py).
 """
 
 from __future__ import annotations

@@ -13,36 +13,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_client import POOL, MemoryIndex, PrefixIndex
 from cache_client.redis_index import RedisBackend, RedisIndex, parse_redis_url
-from loadtests.replicas import RedisClusterNodes
+from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
 
-SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
 MakeIndex = Callable[[int], Awaitable[PrefixIndex]]
-
-
-def delete_prefix(url: str, tag: str) -> None:
-    settings_ = parse_redis_url(url)
-    if settings_.cluster:
-        client: redis.RedisCluster | redis.Redis = redis.RedisCluster(
-            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in settings_.nodes]
-        )
-    else:
-        client = redis.Redis.from_url(settings_.url)
-    with client:
-        # Braces are not glob characters in Redis patterns: the tag matches literally.
-        for key in client.scan_iter(match=tag + ":*", count=1000):
-            client.delete(key)
-
-
-@pytest.fixture(scope="module")
-def cluster_url() -> AsyncIterator[str]:
-    with RedisClusterNodes() as nodes:
-        yield nodes.url
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis),
@@ -51,7 +29,7 @@ async def make_index(request) -> AsyncIterator[MakeIndex]:
     made: list[tuple[PrefixIndex, str | None, str | None]] = []
     url = {"redis": SYSTEM_REDIS, "redis-cluster": None}.get(request.param)
     if request.param == "redis-cluster":
-        url = request.getfixturevalue("cluster_url")
+        url = request.getfixturevalue("redis_cluster").url
 
     async def make(default_capacity: int = 2_000_000) -> PrefixIndex:
         if request.param == "memory":

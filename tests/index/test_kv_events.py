@@ -35,6 +35,7 @@ from cache_client.kv_events import (
 from cache_client.memory import MemoryIndex
 from normalizer.vllm_hash import BlockHasher, external_hash
 from router.metrics import Registry
+from tests.support.wait import wait_for_async
 
 BS = 16
 HASHER = BlockHasher(BS, "sha256")
@@ -341,13 +342,6 @@ class Publisher:
         self.router.close(0)
 
 
-async def wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def test_socket_ingestion_with_catch_up_and_gap_replay() -> None:
     ctx = zmq.asyncio.Context()
     pub = Publisher(ctx)
@@ -363,11 +357,11 @@ async def test_socket_ingestion_with_catch_up_and_gap_replay() -> None:
         await ing.start()
         await asyncio.sleep(0.3)  # PUB/SUB joins asynchronously: give the subscription time
         await pub.publish(1, [stored_map(keys[2:3], parent=keys[1], tokens=tokens[32:48])])
-        await wait_for(lambda: _depth(index, keys, "w1", 3))
+        await wait_for_async(lambda: _depth(index, keys, "w1", 3))
         # A batch lost on the PUB socket (e.g. high-water mark) is fetched from replay.
         await pub.publish(2, [stored_map(keys[3:4], parent=keys[2], tokens=tokens[48:64])], deliver=False)
         await pub.publish(3, [stored_map(keys[4:6], parent=keys[3], tokens=tokens[64:96])])
-        await wait_for(lambda: _depth(index, keys, "w1", 6))
+        await wait_for_async(lambda: _depth(index, keys, "w1", 6))
         st = ing.stats.of(src.key)
         assert (st.gaps, st.replayed_batches, st.dropped_batches, st.last_seq) == (1, 2, 0, 3)
         assert st.last_lag_s < 5

@@ -1,5 +1,5 @@
 """MemoryIndex specifics. The behaviour it shares with the Redis backend (longest leading
-run, LRU capacity model, eviction) is in tests/test_index_contract.py, run on both."""
+run, LRU capacity model, eviction) is in tests/index/test_contract.py, run on both."""
 
 from __future__ import annotations
 

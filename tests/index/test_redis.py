@@ -22,7 +22,8 @@ from cache_client.redis_index import (
 from loadtests.replicas import RedisServer
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from tests.index.test_contract import SYSTEM_REDIS, delete_prefix
+from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
+from tests.support.wait import wait_for_async
 
 # -- URLs (no server needed) -----------------------------------------------------------------
 
@@ -103,13 +104,6 @@ async def replicas() -> AsyncIterator[Callable[..., Awaitable[RedisIndex]]]:
         delete_prefix(SYSTEM_REDIS, index.tag)
 
 
-async def eventually(check: Callable[[], Any], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.redis
 async def test_replicas_share_one_view_through_background_flushes(replicas) -> None:
     a, b = await replicas(), await replicas()
@@ -120,7 +114,7 @@ async def test_replicas_share_one_view_through_background_flushes(replicas) -> N
     async def b_sees() -> bool:
         return (await b.lookup([1, 2, 3])).depths == {"w1": 3, "w2": 2}
 
-    await eventually(b_sees)
+    await wait_for_async(b_sees)
     await b.evict("w1", [2])
     await b.flush()
     assert (await a.lookup([1, 2, 3])).depths == {"w1": 1, "w2": 2}

@@ -1,12 +1,11 @@
 """The Redis backend on a real three-master Redis Cluster started by the test: one slot per
 deployment (its `{prefix}` hash tag), so several deployments spread over the nodes while
 each script call stays on one node. (The index contract also runs on a cluster: see
-test_index_contract.py.)"""
+test_contract.py.)"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from redis.crc import key_slot
@@ -17,12 +16,6 @@ from loadtests.replicas import RedisClusterNodes
 from router.config import RouterConfig
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisClusterNodes]:
-    with RedisClusterNodes() as nodes:
-        yield nodes
 
 
 def prefixes_on_distinct_nodes(cluster: RedisClusterNodes, n: int) -> list[tuple[str, int]]:
@@ -43,15 +36,15 @@ def keys_per_node(cluster: RedisClusterNodes, prefix: str) -> dict[int, list[byt
     return out
 
 
-async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(cluster: RedisClusterNodes) -> None:
-    deployments = prefixes_on_distinct_nodes(cluster, 2)
+async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(redis_cluster: RedisClusterNodes) -> None:
+    deployments = prefixes_on_distinct_nodes(redis_cluster, 2)
     built = []
     for i, (prefix, port) in enumerate(deployments):
         # Both URL forms; the first names only a node that does not serve the slot, so
         # the client has to follow the cluster's redirection.
-        other = next(p for p in cluster.ports if p != port)
+        other = next(p for p in redis_cluster.ports if p != port)
         url = (f"redis+cluster://127.0.0.1:{other}" if i == 0
-               else f"redis://127.0.0.1:{cluster.ports[0]}/0?cluster=true")
+               else f"redis://127.0.0.1:{redis_cluster.ports[0]}/0?cluster=true")
         parts = connect_redis(RouterConfig(redis=url, redis_prefix=prefix, kv_capacity_tokens=100))
         assert parts["index"].backend.settings.cluster
         assert await parts["index"].connect()
@@ -68,7 +61,7 @@ async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(cluster:
             assert index.stats["fallback_lookups"] == 0
         # A second replica of deployment 0 sees its view, and not deployment 1's load.
         prefix0 = built[0][0]
-        twin = connect_redis(RouterConfig(redis=cluster.url, redis_prefix=prefix0))
+        twin = connect_redis(RouterConfig(redis=redis_cluster.url, redis_prefix=prefix0))
         twin_index: RedisIndex = twin["index"]
         twin_loads: RedisLoadBoard = twin["loads"]
         assert await twin_index.connect()
@@ -79,7 +72,7 @@ async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(cluster:
         await twin_index.close()
 
         for prefix, port, _, _ in built:
-            per_node = keys_per_node(cluster, prefix)
+            per_node = keys_per_node(redis_cluster, prefix)
             # Index and load-board keys alike: all on the one master serving the tag's slot.
             assert per_node[port], prefix
             assert all(not keys for p, keys in per_node.items() if p != port)
@@ -88,7 +81,7 @@ async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(cluster:
     finally:
         for prefix, _, index, _ in built:
             await index.close()
-            for server in cluster.servers:
+            for server in redis_cluster.servers:
                 with server.client() as c:
                     for key in c.scan_iter(match="{" + prefix + "}*"):
                         c.delete(key)

@@ -17,7 +17,8 @@ from cache_client.redis_index import RedisBackend, parse_redis_url
 from cache_client.redis_load import RedisLoadBoard
 from loadtests.replicas import RedisServer
 from router.load import LocalLoadBoard
-from tests.index.test_contract import SYSTEM_REDIS
+from tests.support.system_redis import SYSTEM_REDIS
+from tests.support.wait import wait_for_async
 
 pytestmark = pytest.mark.redis
 
@@ -138,19 +139,11 @@ async def test_background_sync_and_clean_leave(boards) -> None:
     a, b = boards(sync_interval_s=0.02), boards(sync_interval_s=0.02)
     a.acquire("w", 0.1)
     b.snapshot(["w"])  # starts b's background sync
-
-    async def until(cond: Callable[[], bool]) -> None:
-        for _ in range(500):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("not reached")
-
-    await until(lambda: b.inflight("w") == 1)
+    await wait_for_async(lambda: b.inflight("w") == 1)
     assert a.syncs > 0 and b.syncs > 0
     # Closing leaves at once instead of waiting out the lease.
     await a._backend.close()
-    await until(lambda: b.inflight("w") == 0)
+    await wait_for_async(lambda: b.inflight("w") == 0)
 
 
 async def test_without_redis_each_replica_counts_its_own_and_drops_stale_remote_counts(boards) -> None:

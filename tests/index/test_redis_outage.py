@@ -19,10 +19,13 @@ import pytest
 from cache_client.redis_index import RedisBackend, RedisIndex, parse_redis_url
 from loadtests.replicas import RedisServer, free_ports
 from router.metrics import RouterMetrics
+from tests.support.wait import wait_for_async
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 WORKERS = ["w0", "w1", "w2", "w3"]
+# Reconnects and resyncs after a kill or restart wait longer than the helper's 5 s default.
+RECOVERY_TIMEOUT_S = 15.0
 
 
 async def make_index(url: str, connect: bool = True, **kwargs: Any) -> RedisIndex:
@@ -75,14 +78,6 @@ class Load:
         await asyncio.gather(*self._tasks)
 
 
-async def until(cond, timeout_s: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def server() -> AsyncIterator[RedisServer]:
     with RedisServer() as s:
@@ -107,12 +102,12 @@ async def test_killed_and_restarted_under_load(server: RedisServer, caplog: pyte
         await asyncio.sleep(0.8)
         before = chain(100_000, 3)
         await index.record("w2", before, [16] * len(before))
-        await until(lambda: not index._pending)
+        await wait_for_async(lambda: not index._pending, timeout_s=RECOVERY_TIMEOUT_S)
         remote_before = index.stats["remote_lookups"]
         assert remote_before > 0
 
         server.kill()  # SIGKILL: Redis and all its data are gone
-        await until(lambda: not index.backend.up)
+        await wait_for_async(lambda: not index.backend.up, timeout_s=RECOVERY_TIMEOUT_S)
         assert metrics.index_backend_up.get() == 0.0
         lookups_at_kill = load.lookups
         during = chain(200_000, 2)
@@ -123,7 +118,7 @@ async def test_killed_and_restarted_under_load(server: RedisServer, caplog: pyte
         assert fallback > 0
 
         server.start()  # same port, empty
-        await until(lambda: index.backend.up)
+        await wait_for_async(lambda: index.backend.up, timeout_s=RECOVERY_TIMEOUT_S)
         await asyncio.sleep(0.8)
         assert index.stats["remote_lookups"] > remote_before
     finally:
@@ -153,15 +148,15 @@ async def test_hung_redis_then_back_with_its_data(server: RedisServer, caplog: p
     try:
         await asyncio.sleep(0.5)
         server.pause()  # SIGSTOP: connections open, nothing answers
-        await until(lambda: not index.backend.up)
+        await wait_for_async(lambda: not index.backend.up, timeout_s=RECOVERY_TIMEOUT_S)
         paused = chain(300_000, 2)
         await index.record("w1", paused, [16] * len(paused))
         n = load.lookups
         await asyncio.sleep(0.5)
         assert load.lookups > n + 20
         server.resume()
-        await until(lambda: index.backend.up)
-        await until(lambda: not index._pending)
+        await wait_for_async(lambda: index.backend.up, timeout_s=RECOVERY_TIMEOUT_S)
+        await wait_for_async(lambda: not index._pending, timeout_s=RECOVERY_TIMEOUT_S)
     finally:
         await load.stop()
     assert load.failures == []
@@ -189,8 +184,8 @@ async def test_backlog_overflow_is_repaired_by_pushing_the_local_view(server: Re
             await index.record("w0", c, [8] * len(c))
         assert index.stats["dropped_ops"] == 20
         server.resume()
-        await until(lambda: index.backend.up)
-        await until(lambda: index.stats["resyncs"] == 1 and not index._resyncing and not index._pending)
+        await wait_for_async(lambda: index.backend.up, timeout_s=RECOVERY_TIMEOUT_S)
+        await wait_for_async(lambda: index.stats["resyncs"] == 1 and not index._resyncing and not index._pending, timeout_s=RECOVERY_TIMEOUT_S)
         other = await make_index(server.url)
         try:
             for c in chains:
@@ -213,8 +208,8 @@ async def test_redis_absent_at_start_then_arriving() -> None:
         assert (await index.lookup([1, 2, 3, 4])).depths == {"w0": 3}
         assert not index.backend.up and metrics.index_backend_up.get() == 0.0
         with RedisServer(port) as server:
-            await until(lambda: index.backend.up)
-            await until(lambda: not index._pending)
+            await wait_for_async(lambda: index.backend.up, timeout_s=RECOVERY_TIMEOUT_S)
+            await wait_for_async(lambda: not index._pending, timeout_s=RECOVERY_TIMEOUT_S)
             assert metrics.index_backend_up.get() == 1.0
             other = await make_index(server.url)
             try:

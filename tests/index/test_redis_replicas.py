@@ -23,13 +23,13 @@ import redis
 from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, summarize
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from tests.support.system_redis import SYSTEM_REDIS
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.sim_cluster(workers=4, time_scale=0.02)]
 
-SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
 # Load balancing is not under test here: bounded loads off, so that only the index decides.
 # The lookup budget is generous because this machine is shared: a starved event loop must
-# not turn into "Redis is slow" (the budget itself is tested in test_redis_index.py).
+# not turn into "Redis is slow" (the budget itself is tested in test_redis.py).
 ROUTER_ARGS = ["--load-factor", "100"]
 BUDGET_ARGS = ["--redis-lookup-budget-ms", "200"]
 
@@ -42,12 +42,6 @@ def alternate(_rng, c: int, t: int) -> int:
 def run(load: ConversationLoad) -> dict:
     asyncio.run(load.run())
     return summarize(load.results)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SimCluster]:
-    with SimCluster(workers=4, time_scale=0.02) as c:
-        yield c
 
 
 @pytest.fixture

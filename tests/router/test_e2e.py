@@ -16,11 +16,7 @@ from router.workers import parse_vllm_gauges
 
 MODEL = "sim-llama3-8b"
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    with SimCluster(workers=3, time_scale=0.02) as c:
-        yield c
+pytestmark = pytest.mark.sim_cluster(workers=3, time_scale=0.02)
 
 
 def test_conversations_stay_on_their_worker_and_load_spreads(cluster) -> None:

@@ -12,12 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadtests.routerproc import RouterProcess
 from normalizer.canonical import NormalizeOptions, canonicalize_body
 from router.chain import EstimateChainBuilder
 from router.errors import RouterError
 from router.requests import parse_body, validate
 from tests.support.upstream import RecordingUpstream
+
+pytestmark = pytest.mark.router_process(extra_args=["--max-body-bytes", "100000"])
 
 FIELDS = ["model", "messages", "prompt", "role", "content", "tool_calls", "function", "arguments", "name",
           "tool_call_id", "type", "text", "tools", "functions", "stream", "user"]
@@ -118,9 +119,8 @@ HOSTILE = [
 
 
 @pytest.fixture(scope="module")
-def router():
-    with RecordingUpstream() as up, RouterProcess({"a": up.url}, extra_args=["--max-body-bytes", "100000"]) as r:
-        yield r
+def router_workers(upstream: RecordingUpstream) -> dict[str, str]:
+    return {"a": upstream.url}
 
 
 @pytest.mark.parametrize(("case", "path", "raw", "status", "code"), HOSTILE, ids=[c[0] for c in HOSTILE])

@@ -12,6 +12,8 @@ import pytest
 from loadtests.routerproc import RouterProcess
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
+pytestmark = pytest.mark.router_process(policy="cache_aware", extra_args=["--max-body-bytes", "200000"])
+
 TOOL = {
     "type": "function",
     "function": {
@@ -39,10 +41,9 @@ def upstreams():
 
 
 @pytest.fixture(scope="module")
-def router(upstreams):
+def router_workers(upstreams) -> dict[str, str]:
     a, b = upstreams
-    with RouterProcess({"a": a.url, "b": b.url}, policy="cache_aware", extra_args=["--max-body-bytes", "200000"]) as r:
-        yield r
+    return {"a": a.url, "b": b.url}
 
 
 def test_reordered_tools_and_whitespace_reach_the_worker_as_identical_bytes(router, upstreams) -> None:

@@ -29,7 +29,6 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 from router.app import OPENAPI_PATH
 from tests.support.upstream import RecordingUpstream
@@ -44,21 +43,21 @@ CALLS: Counter[str] = Counter()
 STATUSES: Counter[int] = Counter()
 
 
+pytestmark = [
+    pytest.mark.sim_cluster(workers=2, time_scale=0.02, pool=False),
+    pytest.mark.recording_upstream(model=EMB_MODEL),
+    pytest.mark.router_process(
+        extra_args=["--max-body-bytes", "1000000", "--log-level", "info"],
+        log_path=os.environ.get("KVROUTE_FUZZ_ROUTER_LOG"),
+        env={"KVROUTE_API_KEYS": API_KEY, "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN},
+    ),
+]
+
+
 @pytest.fixture(scope="module")
-def router():
-    with (
-        SimCluster(workers=2, time_scale=0.02, pool=False) as cluster,
-        RecordingUpstream(model=EMB_MODEL) as embedder,
-        RouterProcess(
-            {**cluster.worker_urls, "emb": embedder.url},
-            extra_args=["--max-body-bytes", "1000000", "--log-level", "info"],
-            log_path=os.environ.get("KVROUTE_FUZZ_ROUTER_LOG"),
-            env={"KVROUTE_API_KEYS": API_KEY, "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN},
-        ) as r,
-    ):
-        yield r
-    total = sum(CALLS.values())
-    print(f"\nschemathesis: {total} requests, statuses {dict(sorted(STATUSES.items()))}, per operation {dict(CALLS)}")
+def router_workers(cluster: SimCluster, upstream: RecordingUpstream) -> dict[str, str]:
+    """The simulated workers serve chat and completions, the recording upstream embeddings."""
+    return {**cluster.worker_urls, "emb": upstream.url}
 
 
 def fuzz_schema() -> dict:
@@ -89,7 +88,9 @@ def api_schema(router):
     schema = schemathesis.openapi.from_dict(fuzz_schema())
     schema.config.update(base_url=router.url)
     schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-    return schema
+    yield schema
+    total = sum(CALLS.values())
+    print(f"\nschemathesis: {total} requests, statuses {dict(sorted(STATUSES.items()))}, per operation {dict(CALLS)}")
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")

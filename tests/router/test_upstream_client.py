@@ -22,12 +22,6 @@ STREAM = orjson.dumps({"model": "rec-model", "stream": True, "messages": [{"role
 HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"r1")]
 
 
-@pytest.fixture(scope="module")
-def upstream():
-    with RecordingUpstream() as u:
-        yield u
-
-
 async def test_whole_answer_and_keep_alive_reuse(upstream: RecordingUpstream) -> None:
     client = RawUpstreamClient()
     try:

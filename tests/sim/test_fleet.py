@@ -14,14 +14,12 @@ import zmq
 
 from loadtests.sim.cluster import SimCluster, SimWorkerProcess
 from normalizer.prefix import chat_segments
+from tests.support.wait import wait_for
 
 MODEL = "sim-llama3-8b"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[SimCluster]:
-    with SimCluster(workers=3, time_scale=0.01, pool=True, kv_events=True) as c:
-        yield c
+pytestmark = pytest.mark.sim_cluster(workers=3, time_scale=0.01, pool=True, kv_events=True)
 
 
 def chat(content: str, max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
@@ -35,24 +33,15 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} missing")
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
-def test_pool_serves_a_prompt_computed_on_another_worker(fleet: SimCluster) -> None:
-    assert fleet.pool_url is not None
-    w0, w1 = fleet.worker_urls["w0"], fleet.worker_urls["w1"]
+def test_pool_serves_a_prompt_computed_on_another_worker(cluster: SimCluster) -> None:
+    assert cluster.pool_url is not None
+    w0, w1 = cluster.worker_urls["w0"], cluster.worker_urls["w1"]
     body = chat("pool me " * 1000)
     prompt = len(b"".join(chat_segments(body))) // 4
     chunks = prompt // 256
     first = httpx.post(f"{w0}/v1/chat/completions", json=body).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    wait_for(lambda: httpx.get(f"{fleet.pool_url}/stats").json()["chunks"] >= chunks)
+    wait_for(lambda: httpx.get(f"{cluster.pool_url}/stats").json()["chunks"] >= chunks)
     hits_before = metric(w1, "vllm:external_prefix_cache_hits_total")
     second = httpx.post(f"{w1}/v1/chat/completions", json=body).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == chunks * 256
@@ -80,8 +69,8 @@ def recv_batches(sub: zmq.Socket, until: Callable[[list[Any]], bool], timeout: f
     raise AssertionError(f"expected events not received; got {events!r:.500}")
 
 
-def test_kv_events_describe_gpu_and_pool_blocks(fleet: SimCluster) -> None:
-    url, endpoint = fleet.worker_urls["w2"], fleet.kv_event_endpoints["w2"]
+def test_kv_events_describe_gpu_and_pool_blocks(cluster: SimCluster) -> None:
+    url, endpoint = cluster.worker_urls["w2"], cluster.kv_event_endpoints["w2"]
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -135,9 +124,9 @@ def set_fault(url: str, mode: str, **extra: Any) -> None:
 
 
 @pytest.fixture
-def slow_worker(fleet: SimCluster) -> Iterator[str]:
+def slow_worker(cluster: SimCluster) -> Iterator[str]:
     """w1 with every step 100x slower: a 30k-token prefill takes ~1.2 s of real time."""
-    url = fleet.worker_urls["w1"]
+    url = cluster.worker_urls["w1"]
     set_fault(url, "slow", slow_factor=100)
     try:
         yield url
@@ -157,15 +146,15 @@ def test_client_disconnect_aborts_promptly(slow_worker: str, stream: bool) -> No
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/chat/completions", json=body, timeout=0.3)
-    wait_for(lambda: state(url)["aborted"] == before["aborted"] + 1, timeout=1.0)
+    wait_for(lambda: state(url)["aborted"] == before["aborted"] + 1, timeout_s=1.0)
     after = state(url)
     assert after["running"] == 0 and after["waiting"] == 0 and after["kv_used_blocks"] == 0
     assert after["last_abort_delays_s"][-1] < 0.1
     assert after["finished"] == before["finished"]
 
 
-def test_fault_injection_modes(fleet: SimCluster) -> None:
-    url = fleet.worker_urls["w0"]
+def test_fault_injection_modes(cluster: SimCluster) -> None:
+    url = cluster.worker_urls["w0"]
     try:
         set_fault(url, "error500")
         r = httpx.post(f"{url}/v1/chat/completions", json=chat("fail"))

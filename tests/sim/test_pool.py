@@ -8,6 +8,8 @@ import pytest
 from loadtests.sim.cluster import SimCluster
 from loadtests.sim.pool import CHUNK_TOKENS, ChunkStore, chunk_keys
 
+pytestmark = pytest.mark.sim_cluster(workers=1, time_scale=0.01, pool=True, pool_capacity_tokens=8 * CHUNK_TOKENS)
+
 
 def test_chunk_keys_chain_over_full_chunks_only() -> None:
     a = b"a" * (CHUNK_TOKENS * 4 * 3 + 100)
@@ -42,10 +44,9 @@ def test_store_evicts_a_chain_tail_before_its_head() -> None:
 
 
 @pytest.fixture(scope="module")
-def pool_url() -> str:
-    with SimCluster(workers=1, time_scale=0.01, pool=True, pool_capacity_tokens=8 * CHUNK_TOKENS) as c:
-        assert c.pool_url is not None
-        yield c.pool_url
+def pool_url(cluster: SimCluster) -> str:
+    assert cluster.pool_url is not None
+    return cluster.pool_url
 
 
 def test_pool_http_service(pool_url: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,11 +16,7 @@ from normalizer.prefix import chat_segments, completion_segments
 
 MODEL = "sim-llama3-8b"
 
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SimCluster]:
-    with SimCluster(workers=2, time_scale=0.002, pool=False) as c:
-        yield c
+pytestmark = pytest.mark.sim_cluster(workers=2, time_scale=0.002, pool=False)
 
 
 @pytest.fixture
