@@ -225,7 +225,7 @@ class LocalPoolClient:
     itself per request cost its event loop a seventh of its CPU in `seed` without simulating
     anything. The pool stays reachable over HTTP for anything else (stats, metrics).
 
-    Not the default: tests/test_router_e2e.py's affinity checks run the cluster at time
+    Not the default: tests/router/test_e2e.py's affinity checks run the cluster at time
     scale 0.02, where the HTTP pool's ~1 ms of wall time per lookup is 50 simulated ms, and
     with the instant pool cache_aware's follow-up affinity there fell to 0.82–0.88 (from
     ≥ 0.95) in 3 of 4 runs. Not yet explained; see the issue notes."""

@@ -4,7 +4,7 @@ Sends a few prompts to the worker (token-id prompts through `/v1/completions`, s
 fixture does not depend on any tokenizer), subscribes to its KV-event socket, and records
 every GPU `BlockStored` event: parent hash, token ids, block hashes, together with the
 worker's block size and hash algorithm read from `vllm:cache_config_info`. The tests in
-tests/test_vllm_hash.py recompute the hashes from the token ids with
+tests/precise/test_vllm_hash.py recompute the hashes from the token ids with
 `normalizer.vllm_hash` and must match the worker bit for bit.
 
     python capture_hashes.py --url http://127.0.0.1:8000 --events tcp://127.0.0.1:5557 \

@@ -2,7 +2,7 @@
 
 Shared by the end-to-end run (checked live against the workers) and by the fixture capture
 (`python -m loadtests.vllm_e2e.cases URL OUT`), which stores the worker's answers so that
-tests/test_precise.py can check exactness without a running vLLM.
+tests/precise/test_tokens_and_chains.py can check exactness without a running vLLM.
 """
 
 from __future__ import annotations

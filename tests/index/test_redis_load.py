@@ -1,0 +1,164 @@
+"""RedisLoadBoard against the real Redis: every replica's in-flight requests, queued prefill
+and recent traffic count everywhere; a replica that stops heartbeating stops counting."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from cache_client.redis_conn import RedisBackend, parse_redis_url
+from loadtests.replicas import RedisServer
+from router.load import LocalLoadBoard
+from router.load.redis import RedisLoadBoard
+from tests.support.system_redis import SYSTEM_REDIS
+from tests.support.wait import wait_for_async
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def boards() -> AsyncIterator[Callable[..., RedisLoadBoard]]:
+    prefix = f"test-lb-{uuid.uuid4().hex[:12]}"
+    made: list[RedisLoadBoard] = []
+
+    def make(url: str = SYSTEM_REDIS, **kwargs: Any) -> RedisLoadBoard:
+        board = RedisLoadBoard(RedisBackend(parse_redis_url(url), budget_s=1.0), prefix=prefix,
+                               replica_id=f"r{len(made)}", **kwargs)
+        made.append(board)
+        return board
+
+    yield make
+    for board in made:
+        await board._backend.close()
+    client = aioredis.Redis.from_url(SYSTEM_REDIS)
+    # Braces are not glob characters in Redis patterns: the tag matches literally.
+    async for key in client.scan_iter(match="{" + prefix + "}*"):
+        await client.delete(key)
+    left = [k async for k in client.scan_iter(match="{" + prefix + "}*")]
+    await client.aclose()
+    assert left == []
+
+
+def loads_of(board: RedisLoadBoard, *names: str) -> dict[str, tuple[int, float, float]]:
+    return {w.name: (w.inflight, w.queued_prefill_s, w.recent) for w in board.snapshot(names)}
+
+
+async def test_replicas_see_each_others_requests(boards) -> None:
+    a, b = boards(), boards()
+    ta = [a.acquire("w0", 0.5) for _ in range(3)]
+    tb = b.acquire("w1", 0.25)
+    # Local changes count at once, remote ones after a sync.
+    assert loads_of(b, "w0", "w1")["w0"][0] == 0 and b.inflight("w1") == 1
+    assert await a.sync() and await b.sync()
+    got = loads_of(b, "w0", "w1")
+    assert got["w0"][0] == 3 and got["w0"][1] == pytest.approx(1.5)
+    assert got["w1"][0] == 1 and got["w1"][1] == pytest.approx(0.25)
+    assert b.inflight("w0") == 3 and b.local_inflight("w0") == 0
+    # The other direction, after a's next sync.
+    assert await a.sync()
+    assert a.inflight("w1") == 1 and a.inflight("w0") == 3
+
+    a.first_byte(ta[0])
+    a.release(ta[1])
+    assert await a.sync() and await b.sync()
+    got = loads_of(b, "w0")
+    assert got["w0"][0] == 2 and got["w0"][1] == pytest.approx(0.5)
+    for t in ta:
+        a.release(t)
+    b.release(tb)
+    assert await a.sync() and await b.sync()
+    assert loads_of(b, "w0", "w1") == {"w0": (0, 0.0, pytest.approx(3.0, rel=0.01)),
+                                       "w1": (0, 0.0, pytest.approx(1.0, rel=0.01))}
+
+
+async def test_recent_traffic_is_the_sum_over_replicas(boards) -> None:
+    a, b = boards(half_life_s=30.0), boards(half_life_s=30.0)
+    local = LocalLoadBoard(half_life_s=30.0)
+    for _ in range(10):
+        a.release(a.acquire("w", 0.0))
+        local.release(local.acquire("w", 0.0))
+    for _ in range(5):
+        b.release(b.acquire("w", 0.0))
+        local.release(local.acquire("w", 0.0))
+    assert await a.sync() and await b.sync()
+    # What a single router that saw all 15 requests would count.
+    want = local.snapshot(["w"])[0].recent
+    assert loads_of(b, "w")["w"][2] == pytest.approx(want, rel=0.01)
+    assert want == pytest.approx(15.0, rel=0.01)
+
+
+CRASHING_REPLICA = """
+import asyncio, sys
+from cache_client.redis_conn import RedisBackend, parse_redis_url
+from router.load.redis import RedisLoadBoard
+
+async def main():
+    board = RedisLoadBoard(RedisBackend(parse_redis_url(sys.argv[1])), prefix=sys.argv[2],
+                           replica_id="doomed", lease_s=1.0)
+    board.acquire("w", 1.0)
+    board.acquire("w", 1.0)
+    assert await board.sync()
+    print("SYNCED", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_replica_that_crashes_stops_counting_when_its_lease_expires(boards) -> None:
+    b = boards(lease_s=1.0)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_REPLICA, SYSTEM_REDIS, b._tag.strip("{}"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"SYNCED"  # type: ignore[union-attr]
+        assert await b.sync()
+        assert b.inflight("w") == 2
+        proc.kill()  # SIGKILL: no goodbye, its two requests stay "in flight" in Redis
+        await proc.wait()
+        assert await b.sync()
+        assert b.inflight("w") == 2
+        await asyncio.sleep(1.3)
+        assert await b.sync()
+        assert b.inflight("w") == 0 and loads_of(b, "w")["w"] == (0, 0.0, 0.0)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_background_sync_and_clean_leave(boards) -> None:
+    a, b = boards(sync_interval_s=0.02), boards(sync_interval_s=0.02)
+    a.acquire("w", 0.1)
+    b.snapshot(["w"])  # starts b's background sync
+    await wait_for_async(lambda: b.inflight("w") == 1)
+    assert a.syncs > 0 and b.syncs > 0
+    # Closing leaves at once instead of waiting out the lease.
+    await a._backend.close()
+    await wait_for_async(lambda: b.inflight("w") == 0)
+
+
+async def test_without_redis_each_replica_counts_its_own_and_drops_stale_remote_counts(boards) -> None:
+    with RedisServer() as server:
+        a, b = boards(server.url, lease_s=0.3), boards(server.url, lease_s=0.3, sync_interval_s=0.02)
+        a.acquire("w", 0.2)
+        assert await a.sync() and await b.sync()
+        assert b.inflight("w") == 1
+        server.kill()
+        b.acquire("w", 0.1)
+        b.snapshot(["w"])  # starts the background loop
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not b._backend.up and b.inflight("w") == 1:
+                break
+        # Redis is gone: b cannot know whether a still runs; after a lease, only its own count.
+        assert not b._backend.up
+        assert b.inflight("w") == 1 and math.isclose(loads_of(b, "w")["w"][1], 0.1)

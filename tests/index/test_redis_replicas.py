@@ -1,0 +1,125 @@
+"""End to end: `kvroute serve --redis` processes in front of the simulated vLLM cluster.
+
+Several replicas (separate ports, or `--processes N` on one port) share one view of the
+workers' caches, so a conversation whose turns land on different replicas stays on its
+worker; with per-replica in-memory indexes it does not. A router whose Redis dies keeps
+serving every request and says so in /metrics and its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import orjson
+import pytest
+import redis
+
+from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, summarize
+from loadtests.routerproc import RouterProcess
+from loadtests.sim.cluster import SimCluster
+from tests.support.system_redis import SYSTEM_REDIS
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.sim_cluster(workers=4, time_scale=0.02)]
+
+# Load balancing is not under test here: bounded loads off, so that only the index decides.
+# The lookup budget is generous because this machine is shared: a starved event loop must
+# not turn into "Redis is slow" (the budget itself is tested in test_redis.py).
+ROUTER_ARGS = ["--load-factor", "100"]
+BUDGET_ARGS = ["--redis-lookup-budget-ms", "200"]
+
+
+def alternate(_rng, c: int, t: int) -> int:
+    """Turn t of conversation c goes to replica (c + t) % 2: every turn changes replica."""
+    return (c + t) % 2
+
+
+def run(load: ConversationLoad) -> dict:
+    asyncio.run(load.run())
+    return summarize(load.results)
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    p = f"test-e2e-{uuid.uuid4().hex[:10]}"
+    yield p
+    with redis.Redis.from_url(SYSTEM_REDIS) as c:
+        for key in c.scan_iter(match="{" + p + "}*"):
+            c.delete(key)
+
+
+def gauge(text: str, name: str) -> float | None:
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimCluster, prefix: str) -> None:
+    args = [*ROUTER_ARGS, *BUDGET_ARGS]
+    with RouterReplicas(cluster.worker_urls, 2, SYSTEM_REDIS, prefix, extra_args=args) as shared:
+        result = run(ConversationLoad(shared.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate))
+        metrics = [r.metrics() for r in shared.routers]
+    assert result["failed"] == 0 and result["affinity"] == 1.0, result
+    assert all(gauge(m, "kvroute_index_backend_up") == 1.0 for m in metrics)
+
+    # The control: same workload, each replica with its own in-memory index.
+    with RouterReplicas(cluster.worker_urls, 2, None, extra_args=ROUTER_ARGS) as separate:
+        control = run(ConversationLoad(separate.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate,
+                                       seed=2))
+    assert control["failed"] == 0 and control["affinity"] < 0.9, control
+
+
+def test_processes_on_one_port_share_the_index_and_loads(cluster: SimCluster, prefix: str) -> None:
+    args = [*ROUTER_ARGS, *BUDGET_ARGS, "--processes", "2", "--redis", SYSTEM_REDIS, "--redis-prefix", prefix]
+    with RouterProcess(cluster.worker_urls, extra_args=args) as router, redis.Redis.from_url(SYSTEM_REDIS) as r:
+        registry = "{" + prefix + "}:lb"
+        deadline = time.monotonic() + 20
+        while r.zcard(registry) < 2:
+            assert time.monotonic() < deadline, "both router processes should heartbeat in Redis"
+            time.sleep(0.1)
+        result = run(ConversationLoad([router.url], conversations=16, turns=3, arrival_rate=10))
+        counts = [orjson.loads(r.get("{" + prefix + "}:lb:" + rid.decode()) or b"{}")
+                  for rid in r.zrange(registry, 0, -1)]
+    assert result["failed"] == 0 and result["affinity"] == 1.0, result
+    assert len(counts) == 2
+    # Each process publishes the decayed count of the requests it routed: both routed some.
+    assert all(sum(v[2] for v in c.values()) > 0 for c in counts), counts
+
+
+def test_redis_dying_under_a_router_fails_no_request(cluster: SimCluster) -> None:
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
+        log = os.path.join(tmp, "router.log")
+        args = [*ROUTER_ARGS, *BUDGET_ARGS, "--redis", server.url]
+        with RouterProcess(cluster.worker_urls, extra_args=args, log_path=log) as router:
+
+            def wait_gauge(value: float) -> None:
+                deadline = time.monotonic() + 20
+                while gauge(router.metrics(), "kvroute_index_backend_up") != value:
+                    assert time.monotonic() < deadline, f"kvroute_index_backend_up never became {value}"
+                    time.sleep(0.05)
+
+            def phase(seed: int, turns: int) -> dict:
+                return run(ConversationLoad([router.url], conversations=8, turns=turns, arrival_rate=20, seed=seed))
+
+            wait_gauge(1.0)
+            before = phase(1, 2)
+            server.kill()
+            # Requests themselves notice (a failed lookup), the load board's sync as well.
+            during = phase(2, 3)
+            wait_gauge(0.0)
+            server.start()
+            wait_gauge(1.0)
+            after = phase(3, 2)
+            text = router.metrics()
+        with open(log, encoding="utf-8") as fh:
+            logged = fh.read()
+    assert before["failed"] == during["failed"] == after["failed"] == 0, (before, during, after)
+    # One router alone knows its own traffic, so its fallback view keeps affinity intact.
+    assert before["affinity"] == during["affinity"] == after["affinity"] == 1.0, (before, during, after)
+    assert logged.count("redis index down") == 1, logged
+    assert logged.count("redis index up again") == 1, logged
+    assert gauge(text, "kvroute_index_lookup_seconds_count") == 8 * 2 + 8 * 3 + 8 * 2

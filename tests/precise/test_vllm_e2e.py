@@ -1,0 +1,79 @@
+"""Precise mode against real vLLM workers and a real LMCache pool (marker `vllm`).
+
+Runs only where the vLLM venv built by loadtests/vllm_e2e/setup_env.sh exists
+($KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv); CI builds it in its own stage
+(loadtests/vllm_e2e/ci.sh, which also runs the reuse check). By default this test runs the
+sequential checks only (exactness against /tokenize, (a) prediction == engine reuse per
+request, (c) pool reuse after a drain); KVROUTE_VLLM_E2E_FULL=1 adds the reuse check and
+the random-vs-cache_aware TTFT benchmark (b), whose ratio is then asserted: a timed
+comparison, for a quiet machine, which is why CI does not run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("KVROUTE_VLLM_VENV", Path.home() / ".cache" / "kvroute" / "vllm-venv"))
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not (VENV / "bin" / "python").exists(), reason=f"no vLLM venv at {VENV} (setup_env.sh)"),
+]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("tokenizers")
+    env = {**os.environ, "KVROUTE_VLLM_VENV": str(VENV)}
+    setup = subprocess.run(
+        [str(ROOT / "loadtests" / "vllm_e2e" / "setup_env.sh")], capture_output=True, text=True, env=env, check=True
+    )
+    paths = dict(line.split("=", 1) for line in setup.stdout.splitlines() if "=" in line)
+    out = tmp_path_factory.mktemp("vllm") / "report.json"
+    cmd = [sys.executable, "-m", "loadtests.vllm_e2e.run_e2e", "--venv", paths["VENV"], "--model", paths["MODEL"],
+           "--out", str(out)]
+    if os.environ.get("KVROUTE_VLLM_E2E_FULL") == "1":
+        cmd.append("--ttft-benchmark")
+    else:
+        cmd.append("--skip-policies")
+    subprocess.run(cmd, cwd=ROOT, timeout=1500, check=False)
+    assert out.exists(), "the end-to-end run wrote no report"
+    return json.loads(out.read_text())
+
+
+def test_router_tokenizes_exactly_like_the_workers(report: dict) -> None:
+    bad = [c for c in report["exactness"]["cases"] if not c["equal"]]
+    assert not bad, bad
+    assert {c["case"].split("/")[0] for c in report["exactness"]["cases"]} == {"chat", "completion"}
+
+
+def test_predicted_cached_tokens_match_engine_reuse(report: dict) -> None:
+    a = report["a"]
+    wrong = [r for r in a["requests"] if not r["within_one_block"]]
+    assert not wrong, wrong
+    assert a["prompt_tokens_match"]
+    # Not vacuous: the run reused a lot, and on more than one worker.
+    assert a["actual_cached_total"] > 5000
+    assert len({r["worker"] for r in a["requests"]}) == 2
+
+
+def test_moved_conversation_loads_from_the_pool(report: dict) -> None:
+    c = report["c"]
+    assert c["moved_to"] != c["drained"]
+    assert c["external_hits_gained"] > 0
+    assert c["moved_predicted_pool_tokens"] == c["external_hits_gained"]
+    assert c["moved_ttft_s"] < c["cold_ttft_s"]
+
+
+def test_cache_aware_beats_random(report: dict) -> None:
+    if "b" not in report:
+        pytest.skip("set KVROUTE_VLLM_E2E_FULL=1 for the TTFT comparison")
+    assert report["b"]["ttft_ratio"] <= 1 / 3, report["b"]

@@ -1,0 +1,163 @@
+"""Circuit breakers and outlier ejection: the state machine on a fake clock, the detector
+on synthetic windows, and a breaker opening and closing in a real router."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from loadtests.routerproc import RouterProcess
+from router.breaker import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    BreakerSettings,
+    CircuitBreaker,
+    OutlierDetector,
+    OutlierSettings,
+)
+from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_probes_backs_off_and_closes() -> None:
+    clock = Clock()
+    b = CircuitBreaker(BreakerSettings(failure_threshold=3, open_s=2.0, max_open_s=5.0), "w", clock)
+    for _ in range(2):
+        assert b.begin()
+        b.failure()
+    b.success()  # a success resets the consecutive count
+    for _ in range(3):
+        assert b.begin()
+        b.failure()
+    assert b.state is OPEN and not b.admits() and not b.begin()
+    clock.now += 2.0
+    assert b.admits() and b.state is HALF_OPEN
+    assert b.begin()  # the one probe
+    assert not b.begin() and not b.admits()  # no second probe while it runs
+    b.failure()  # failed probe: open again, twice as long
+    assert b.state is OPEN
+    clock.now += 3.9
+    assert not b.admits()
+    clock.now += 0.1
+    assert b.begin()
+    b.abandon()  # client left: the probe slot comes back
+    assert b.begin()
+    b.failure()
+    clock.now += 4.9
+    assert not b.admits()  # capped at max_open_s = 5
+    clock.now += 0.1
+    assert b.begin()
+    b.success()
+    assert b.state is CLOSED and b.trips == 0
+    b.failure()
+    b.failure()
+    assert b.state is CLOSED  # the count restarted
+
+
+def test_breaker_threshold_zero_never_opens_and_probe_now() -> None:
+    clock = Clock()
+    b = CircuitBreaker(BreakerSettings(failure_threshold=0), "w", clock)
+    for _ in range(50):
+        b.failure()
+    assert b.state is CLOSED
+    b = CircuitBreaker(BreakerSettings(failure_threshold=1, open_s=60), "w", clock)
+    b.failure()
+    assert not b.admits()
+    b.probe_now()  # its health check passes again after a restart
+    assert b.admits() and b.state is HALF_OPEN
+
+
+@dataclass
+class Member:
+    name: str
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    healthy: bool = True
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and self.breaker.admits()
+
+
+def fleet_with(n: int, clock: Clock) -> list[Member]:
+    return [Member(f"w{i}", CircuitBreaker(BreakerSettings(), f"w{i}", clock)) for i in range(n)]
+
+
+def test_outliers_by_error_rate_and_latency_within_the_ejection_budget() -> None:
+    clock = Clock()
+    members = fleet_with(4, clock)
+    det = OutlierDetector(lambda: members, OutlierSettings(min_requests=10, error_rate=0.5, latency_factor=4.0,
+                                                           latency_min_s=0.1, ejection_s=10.0))
+    for m in members:
+        for _ in range(20):
+            m.breaker.success(0.05)
+    for _ in range(30):  # w1 fails 64% of its requests, never 5 in a row: its breaker stays closed
+        for _ in range(3):
+            members[1].breaker.failure()
+        members[1].breaker.success(0.05)
+    assert members[1].breaker.state is CLOSED
+    for _ in range(20):
+        members[2].breaker.success(2.0)  # w2 is slow: mean ~1 s against a median of 0.05 s
+    assert sorted(det.evaluate()) == ["w1", "w2"]
+    assert members[1].breaker.state is OPEN and members[2].breaker.state is OPEN
+    assert all(m.breaker.win_ok == 0 for m in members)  # windows reset
+    # A fifth... none: with 2 of 4 ejected the budget (50%) is spent.
+    for m in (members[0], members[3]):
+        for _ in range(20):
+            m.breaker.failure()
+            m.breaker.failures = 0
+    assert det.evaluate() == []
+    assert members[0].breaker.state is CLOSED
+    # The ejection ends; a repeat offender is ejected for longer.
+    clock.now += 10.0
+    assert members[1].breaker.begin()
+    members[1].breaker.success()
+    for _ in range(20):
+        members[1].breaker.failure()
+        members[1].breaker.failures = 0
+        members[0].breaker.success(0.05)
+    assert det.evaluate() == ["w1"]
+    assert members[1].breaker.open_until == clock.now + 20.0
+
+
+def test_too_few_requests_are_not_judged() -> None:
+    clock = Clock()
+    members = fleet_with(3, clock)
+    det = OutlierDetector(lambda: members, OutlierSettings(min_requests=10))
+    for _ in range(9):
+        members[0].breaker.failure()
+        members[0].breaker.failures = 0
+    assert det.evaluate() == []
+
+
+CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_breaker_takes_a_failing_worker_out_and_a_probe_brings_it_back() -> None:
+    with RecordingUpstream(behaviour=UpstreamBehaviour(status=500)) as bad, RecordingUpstream() as good:
+        args = ["--breaker-failures", "2", "--breaker-open-s", "1.0", "--outlier-interval-s", "0"]
+        with RouterProcess({"bad": bad.url, "good": good.url}, policy="round_robin", extra_args=args) as r:
+            for _ in range(10):
+                resp = httpx.post(r.url + "/v1/chat/completions", json=CHAT, timeout=10)
+                assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == "good"
+            assert len(bad.received) == 2  # then its circuit opened: no more traffic
+            assert 'kvroute_worker_circuit_open{worker="bad"} 1' in r.metrics()
+            assert 'kvroute_worker_healthy{worker="bad"} 1' in r.metrics()  # /health still passes
+            bad.behaviour.status = 200  # it recovers
+            time.sleep(1.1)
+            served = set()
+            for _ in range(6):
+                resp = httpx.post(r.url + "/v1/chat/completions", json=CHAT, timeout=10)
+                assert resp.status_code == 200
+                served.add(resp.headers["x-kvroute-worker"])
+            assert served == {"bad", "good"}
+            assert 'kvroute_worker_circuit_open{worker="bad"} 0' in r.metrics()

@@ -1,0 +1,84 @@
+"""/debug/route explains the very decision: the numbers it shows are the ones the policy
+ranked by, from the decision's own single index lookup (in-process, no router subprocess)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import httpx
+
+from cache_client.base import IndexView, PrefixIndex, key_tokens_of
+from cache_client.memory import MemoryIndex
+from normalizer.prefix import PrefixKey
+from router.app import build_app
+from router.config import RouterConfig
+from router.routing import RouteRequest
+from router.workers import WorkerSpec
+from tests.support.upstream import RecordingUpstream
+
+TOKEN = "admin-debug-route-1234"
+CONVO = {"model": "rec-model", "messages": [
+    {"role": "system", "content": "You are a careful assistant. " * 40},
+    {"role": "user", "content": "Summarise the plot of a long novel. " * 20},
+]}
+
+
+class CountingIndex:
+    """A prefix index that counts its lookups; everything else goes to the wrapped one."""
+
+    def __init__(self, inner: PrefixIndex) -> None:
+        self.inner = inner
+        self.lookups = 0
+
+    async def lookup(self, keys: Sequence[PrefixKey]) -> IndexView:
+        self.lookups += 1
+        return await self.inner.lookup(keys)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_debug_route_reports_the_numbers_the_policy_ranked_by() -> None:
+    index = CountingIndex(MemoryIndex(1_000_000))
+    with RecordingUpstream() as a, RecordingUpstream() as b:
+        config = RouterConfig(
+            workers=[WorkerSpec("a", a.url), WorkerSpec("b", b.url)], policy="cache_aware", admin_token=TOKEN
+        )
+        app = build_app(config, index=index)
+        async with app.lifespan(app.api):
+            assert app.proxy is not None
+            canonical = app.proxy.canonical(CONVO, "chat")
+            chain = app.chains.build(canonical, "chat")
+            await index.record("b", chain.keys, key_tokens_of(chain.cum_tokens))
+            busy = app.loads.acquire("b", 0.004)  # queued prefill on b: part of its prediction
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+                lookups_before = index.lookups
+                resp = await client.post("/debug/route", json=CONVO, headers={"authorization": f"Bearer {TOKEN}"})
+            assert resp.status_code == 200, resp.text
+            assert index.lookups == lookups_before + 1  # decide's lookup, and no second one
+
+            # What the policy ranks by, for the same view and loads.
+            view = await index.inner.lookup(chain.keys)
+            loads = app.loads.snapshot(["a", "b"])
+            decision = app.policy.choose(RouteRequest(chain), view, loads, app.proxy.cost)
+            app.loads.release(busy)
+
+    why = resp.json()
+    assert why["chosen"]["worker"] == decision.worker == "b" and why["chosen"]["reason"] == "gpu_hit"
+    chosen = next(s for s in decision.scores if s.worker == decision.worker)
+    assert chosen.ttft_s > 0.004
+    assert why["chosen"]["predicted_ttft_s"] == chosen.ttft_s
+    assert why["chosen"]["predicted_prefill_s"] == chosen.prefill_s == decision.prefill_s
+    assert why["chosen"]["score_s"] == chosen.score_s
+    # Every candidate, in the policy's order, with the policy's own numbers.
+    assert [row["worker"] for row in why["candidates"]] == [s.worker for s in decision.scores]
+    for row, score in zip(why["candidates"], decision.scores, strict=True):
+        assert row["cached_tokens_gpu"] == score.gpu_tokens
+        assert row["cached_tokens_pool"] == score.pool_tokens
+        assert row["predicted_prefill_s"] == score.prefill_s
+        assert row["predicted_ttft_s"] == score.ttft_s
+        assert row["queued_prefill_s"] == score.load.queued_prefill_s
+        assert row["within_load_bound"] == score.within_bound
+    assert why["cost_model"]["inflight_penalty_s"] == app.proxy.cost.inflight_penalty_s
+    assert why["cost_model"]["step_s"] == app.proxy.cost.step_s
