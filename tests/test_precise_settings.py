@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.routerproc import free_port
-from router.config_loader import config_for_child, config_to_json, hand_to_children, load_config
+from router.config_loader import load_config
 from router.precise import PreciseSettings, build_precise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,22 +58,6 @@ def test_precise_settings_from_the_environment_and_yaml(tmp_path: Path) -> None:
     assert load_config([*WORKER, "--config", str(nested)], {}).precise == expected
     # without a tokenizer precise mode is off and its other settings are not read
     assert load_config(WORKER, {"KVROUTE_BLOCK_SIZE": "x"}).precise == PreciseSettings()
-
-
-def test_processes_children_rebuild_the_same_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("redis: {url: 'redis://127.0.0.1:6379/3', prefix: dep}\nbreaker: {half_open_probes: 2}\n"
-                         "workers:\n  - {name: w2, url: 'http://g:2', api_key_env: W2_KEY}\n")
-    config = load_config(
-        [*WORKER, "--config", str(yaml_file), "--tokenizer", "/models/m", "--kv-events", "w1=tcp://h:1",
-         "--processes", "2", "--max-inflight-per-worker", "4", "--api-keys", "k1,k2", "--no-normalize-system-prompt"],
-        {"W2_KEY": "secret", "KVROUTE_COST_STEP_MS": "9"},
-    )
-    assert (config.redis.prefix, config.breaker.half_open_probes, config.cost.step_ms) == ("dep", 2, 9.0)
-    monkeypatch.delenv("KVROUTE__SERVE_CONFIG_JSON", raising=False)
-    hand_to_children(config)
-    assert config_for_child() == config
-    assert config_to_json(config_for_child()) == config_to_json(config)
 
 
 def test_build_precise_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
