@@ -22,7 +22,8 @@ class RoutingSettings:
 
     policy: str = "cache_aware"
     load_factor: float = 1.25
-    """Bounded-load policies never pick a worker above this × the mean load."""
+    """Bounded loads (router/policies/bounded.py): no worker takes more than this × the mean
+    (in flight and recent)."""
     recent_half_life_s: float = 30.0
     """Half-life of each worker's decayed count of recent requests (the load board)."""
 
