@@ -19,6 +19,17 @@ POOL = "__pool__"
 """Location name of the shared CPU pool."""
 
 
+@dataclass(frozen=True)
+class IndexSettings:
+    """The `index` section of the router's config: the capacity model of each location."""
+
+    kv_capacity_tokens: int = 840_000
+    """KV capacity of each worker in tokens, for the LRU capacity model (one H200's KV for
+    Llama-3-8B, see `cache_client.memory.DEFAULT_CAPACITY_TOKENS`)."""
+    pool_capacity_tokens: int = 0
+    """>0: the workers share an LMCache CPU pool of this many tokens."""
+
+
 @dataclass(frozen=True, slots=True)
 class IndexView:
     """What the index knows about one request's key chain.

@@ -71,6 +71,26 @@ class RedisIndexSettings:
     """Capacity model of a location no `set_capacity` has bounded yet."""
 
 
+@dataclass(frozen=True)
+class RedisOptions:
+    """The `redis` section of the router's config: whether (and how) the index and the load
+    board are shared with the other replicas through Redis."""
+
+    url: str | None = None
+    """See `redis_conn.parse_redis_url`. None: no Redis, each replica keeps its own index."""
+    prefix: str = "kvroute"
+    """Key prefix (and Redis Cluster hash tag) of this deployment's index."""
+    ttl_s: float = DEFAULT_TTL_S
+    """Index entries not used for this long expire."""
+    lookup_budget_ms: float = DEFAULT_LOOKUP_BUDGET_S * 1e3
+    """Longest a lookup waits for Redis before routing on the replica's local view."""
+
+    def index_settings(self, default_capacity_tokens: int) -> RedisIndexSettings:
+        if not self.url:
+            raise ValueError("no --redis URL configured")
+        return RedisIndexSettings(self.url, self.prefix, self.ttl_s, self.lookup_budget_ms, default_capacity_tokens)
+
+
 # -- the index -------------------------------------------------------------------------------
 def _pack_keys(keys: Sequence[PrefixKey]) -> bytes:
     return struct.pack(f">{len(keys)}Q", *[k & _KEY_MASK for k in keys])

@@ -14,7 +14,6 @@ token every admin endpoint answers 403.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,7 @@ from router.routing import CandidateScore, WorkerLoad
 from router.workers import Fleet, Worker, WorkerSpec, parse_worker_arg
 
 if TYPE_CHECKING:
-    from router.app import KvrouteApp
+    from router.services import Services
 
 
 def _json(status: int, content: Any) -> Response:
@@ -41,7 +40,10 @@ def _bad(message: str, code: str = "invalid_request") -> RouterError:
     return RouterError(400, message, code)
 
 
-def register_admin(api: FastAPI, app: KvrouteApp, token: KeyCheck | None) -> None:
+def register_admin(api: FastAPI, services: Services) -> None:
+    """The admin endpoints on `api`, over the router's components."""
+    token: KeyCheck | None = services.admin_token
+
     def check(request: Request) -> None:
         if token is None:
             raise RouterError(403, "Admin endpoints are disabled: no admin token is configured.", "admin_disabled")
@@ -55,13 +57,12 @@ def register_admin(api: FastAPI, app: KvrouteApp, token: KeyCheck | None) -> Non
             "draining": w.draining,
             "serving": w.serving,
             "circuit": w.breaker.state,
-            "inflight": app.loads.inflight(w.name),
+            "inflight": services.loads.inflight(w.name),
             "models": sorted(w.models),
         }
 
     def worker(name: str) -> Worker:
-        assert app.fleet is not None
-        w = app.fleet.get(name)
+        w = services.fleet.get(name)
         if w is None:
             raise RouterError(404, f"No worker named '{name}'.", "worker_not_found")
         return w
@@ -75,13 +76,11 @@ def register_admin(api: FastAPI, app: KvrouteApp, token: KeyCheck | None) -> Non
     @api.get("/admin/workers", include_in_schema=False)
     async def list_workers(request: Request) -> Response:
         check(request)
-        assert app.fleet is not None
-        return _json(200, {"object": "list", "data": [info(w) for w in app.fleet]})
+        return _json(200, {"object": "list", "data": [info(w) for w in services.fleet]})
 
     @api.post("/admin/workers", include_in_schema=False)
     async def add_worker(request: Request) -> Response:
         check(request)
-        assert app.fleet is not None
         body = await json_body(request)
         name, url = body.get("name"), body.get("url")
         if not isinstance(name, str) or not name or not name.isprintable() or "/" in name or len(name) > 128:
@@ -95,54 +94,50 @@ def register_admin(api: FastAPI, app: KvrouteApp, token: KeyCheck | None) -> Non
         api_key = body.get("api_key")
         env_name = body.get("api_key_env")
         if env_name is not None:
-            if not isinstance(env_name, str) or env_name not in os.environ:
+            if not isinstance(env_name, str) or env_name not in services.environ:
                 raise _bad("'api_key_env' must name an environment variable set for the router.")
-            api_key = os.environ[env_name]
+            api_key = services.environ[env_name]
         if api_key is not None and not isinstance(api_key, str):
             raise _bad("'api_key' must be a string.")
-        if app.fleet.get(name) is not None:
+        if services.fleet.get(name) is not None:
             raise RouterError(409, f"A worker named '{name}' already exists.", "worker_exists")
-        added = app.fleet.add(WorkerSpec(spec.name, spec.url, api_key))
-        app.index.set_capacity(name, app.config.kv_capacity_tokens)
-        await app.fleet.check(added)  # usable at once if it is up, not after the next round
+        added = services.fleet.add(WorkerSpec(spec.name, spec.url, api_key))
+        services.index.set_capacity(name, services.config.index.kv_capacity_tokens)
+        await services.fleet.check(added)  # usable at once if it is up, not after the next round
         return _json(201, info(added))
 
     @api.delete("/admin/workers/{name}", include_in_schema=False)
     async def remove_worker(request: Request, name: str) -> Response:
         check(request)
-        assert app.fleet is not None
         w = worker(name)
-        await app.fleet.remove(name)
-        return _json(200, {"name": name, "removed": True, "inflight": app.loads.inflight(w.name)})
+        await services.fleet.remove(name)
+        return _json(200, {"name": name, "removed": True, "inflight": services.loads.inflight(w.name)})
 
     @api.post("/admin/workers/{name}/drain", include_in_schema=False)
     async def drain(request: Request, name: str) -> Response:
         check(request)
-        assert app.fleet is not None
         w = worker(name)
-        app.fleet.drain(name, True)
+        services.fleet.drain(name, True)
         return _json(200, info(w))
 
     @api.post("/admin/workers/{name}/undrain", include_in_schema=False)
     async def undrain(request: Request, name: str) -> Response:
         check(request)
-        assert app.fleet is not None
         w = worker(name)
-        app.fleet.drain(name, False)
-        app.admission.released()  # capacity came back: let a queued request in
+        services.fleet.drain(name, False)
+        services.admission.released()  # capacity came back: let a queued request in
         return _json(200, info(w))
 
     @api.post("/debug/route", include_in_schema=False)
     async def debug_route(request: Request) -> Response:
         check(request)
-        assert app.fleet is not None and app.proxy is not None
         path = request.query_params.get("path", "/v1/chat/completions")
         if path not in PROXIED_PATHS:
             raise _bad(f"'path' must be one of {', '.join(PROXIED_PATHS)}.")
-        return _json(200, await explain(app, path, await json_body(request), request.headers.get("x-session-id")))
+        return _json(200, await explain(services, path, await json_body(request), request.headers.get("x-session-id")))
 
 
-async def explain(app: KvrouteApp, path: str, body: dict[str, Any], session_header: str | None) -> dict[str, Any]:
+async def explain(services: Services, path: str, body: dict[str, Any], session_header: str | None) -> dict[str, Any]:
     """What `Proxy.decide` chooses for this body, and the numbers it chose by.
 
     Everything shown comes from that one decision (its one index lookup, the loads it read,
@@ -150,8 +145,7 @@ async def explain(app: KvrouteApp, path: str, body: dict[str, Any], session_head
     here, so the explanation cannot disagree with the decision. Policies that do not price
     candidates (all but cache_aware) show the candidates' loads only.
     """
-    assert app.fleet is not None and app.proxy is not None
-    proxy = app.proxy
+    proxy = services.proxy
     kind = PROXIED_PATHS[path]
     model = validate(body, kind)
     body = proxy.canonical(body, kind)
@@ -170,14 +164,14 @@ async def explain(app: KvrouteApp, path: str, body: dict[str, Any], session_head
     else:
         rows = [_load(load) for load in loads]
     return {
-        "policy": app.policy.name,
+        "policy": services.policy.name,
         "path": path,
         "model": model,
         "prompt_tokens": routed.chain.total_tokens,
         "chosen": chosen,
         "ranking": [decision.worker, *decision.ranking],
         "candidates": rows,
-        "excluded": _excluded(app.fleet, {load.name for load in loads}),
+        "excluded": _excluded(services.fleet, {load.name for load in loads}),
         "cost_model": asdict(proxy.cost),
     }
 

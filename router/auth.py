@@ -15,8 +15,31 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from router.errors import RouterError
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """The `security` section of the router's config (secrets files are read at startup)."""
+
+    api_keys: list[str] = field(default_factory=list)
+    """Client keys accepted on /v1/* (empty, and no file: no authentication)."""
+    api_keys_file: str | None = None
+    admin_token: str | None = None
+    """Token for /admin/* and /debug/* (prefer KVROUTE_ADMIN_TOKEN or the file)."""
+    admin_token_file: str | None = None
+
+    def client_keys(self) -> KeyCheck | None:
+        """The /v1/* check; None: no client authentication."""
+        keys = resolve_api_keys(self.api_keys, self.api_keys_file)
+        return KeyCheck(keys) if keys else None
+
+    def admin_check(self) -> KeyCheck | None:
+        """The /admin/* and /debug/* check; None: admin endpoints disabled (403)."""
+        token = resolve_admin_token(self.admin_token, self.admin_token_file)
+        return KeyCheck([token]) if token else None
 
 _BEARER = b"bearer "
 

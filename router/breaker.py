@@ -247,7 +247,7 @@ class OutlierDetector:
             except Exception as exc:  # a bug here must not stop detection
                 log.error("outlier evaluation failed: %s", exc_summary(exc))
 
-    def start(self) -> None:
+    async def start(self) -> None:
         if self._task is None and self.settings.interval_s > 0:
             self._task = asyncio.create_task(self._loop(), name="kvroute-outliers")
 

@@ -27,6 +27,27 @@ if TYPE_CHECKING:
     from router.routing import WorkerLoad
 
 
+@dataclass(frozen=True)
+class CostSettings:
+    """The `cost` section of the router's config (`--cost-*`): `CostModel`'s numbers in the
+    units they are measured in."""
+
+    prefill_base_us: float = 20.3
+    prefill_ctx_ns: float = 1.01
+    pool_load_us: float = 2.4
+    inflight_penalty_ms: float = 0.3
+    step_ms: float = 15.0
+
+    def model(self) -> CostModel:
+        return CostModel(
+            prefill_base_s=self.prefill_base_us * 1e-6,
+            prefill_ctx_s=self.prefill_ctx_ns * 1e-9,
+            pool_load_s_per_token=self.pool_load_us * 1e-6,
+            inflight_penalty_s=self.inflight_penalty_ms * 1e-3,
+            step_s=self.step_ms * 1e-3,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     prefill_base_s: float = 20.3e-6

@@ -24,10 +24,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -372,8 +371,11 @@ def in_cluster_client(
     token_path: Path | None = None,
     ca_path: Path | None = None,
     timeout_s: float = 5.0,
+    environ: Mapping[str, str] | None = None,
 ) -> httpx.AsyncClient:
-    """An httpx client for the API server as the pod's service account sees it.
+    """An httpx client for the API server as the pod's service account sees it; without
+    `api_server`, the one `environ` (the router's environment, router/config_loader.py)
+    names in `KUBERNETES_SERVICE_HOST` / `_PORT`.
 
     The token is re-read on every request: Kubernetes rotates projected service-account tokens
     (hourly by default), and a token read once at start-up would expire under a long-running
@@ -381,8 +383,9 @@ def in_cluster_client(
     """
     sa = SERVICE_ACCOUNT_DIR
     if api_server is None:
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        env = environ or {}
+        host = env.get("KUBERNETES_SERVICE_HOST")
+        port = env.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
             raise RuntimeError("not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST is unset)")
         api_server = f"https://{_hostport(host, int(port))}"
@@ -419,6 +422,7 @@ class EndpointSliceDiscovery(_Poller):
         on_removed: Callable[[str], Awaitable[None]] | None = None,
         check_new: bool = True,
         scheme: str = "http",
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         parsed = parse_discovery_target(target)
         if parsed.scheme != "k8s" or parsed.namespace is None:
@@ -427,7 +431,7 @@ class EndpointSliceDiscovery(_Poller):
             )
         self.target = parsed
         self._own_client = client is None
-        self._client = client if client is not None else in_cluster_client()
+        self._client = client if client is not None else in_cluster_client(environ=environ)
         self._slices = _EndpointSliceSource(
             self._client, parsed.namespace, parsed.host, parsed.port
         )
@@ -467,13 +471,15 @@ def make_discovery(
     *,
     on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
     on_removed: Callable[[str], Awaitable[None]] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> DnsDiscovery | EndpointSliceDiscovery:
-    """The discovery for a `--discover` target (dns:// or k8s://)."""
+    """The discovery for a `--discover` target (dns:// or k8s://); `environ` locates the
+    Kubernetes API server for k8s:// (see `in_cluster_client`)."""
     scheme = parse_discovery_target(target).scheme
     if scheme == "dns":
         return DnsDiscovery(fleet, target, interval_s, on_added=on_added, on_removed=on_removed)
     return EndpointSliceDiscovery(
-        fleet, target, interval_s, on_added=on_added, on_removed=on_removed
+        fleet, target, interval_s, on_added=on_added, on_removed=on_removed, environ=environ
     )
 
 
@@ -484,8 +490,11 @@ async def start_discovery(
     *,
     on_added: Callable[[WorkerSpec], Awaitable[None]] | None = None,
     on_removed: Callable[[str], Awaitable[None]] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> DnsDiscovery | EndpointSliceDiscovery:
     """Build the discovery for `target`, sync the fleet once and keep polling; `stop()` it."""
-    discovery = make_discovery(fleet, target, interval_s, on_added=on_added, on_removed=on_removed)
+    discovery = make_discovery(
+        fleet, target, interval_s, on_added=on_added, on_removed=on_removed, environ=environ
+    )
     await discovery.start()
     return discovery

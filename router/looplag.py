@@ -46,7 +46,7 @@ class LoopLagMonitor:
             self._samples.append((now, lag))
             self.max_lag_s = max(self.max_lag_s, lag)
 
-    def start(self) -> None:
+    async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="kvroute-loop-lag")
 

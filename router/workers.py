@@ -80,6 +80,30 @@ def parse_vllm_gauges(text: str) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class HealthSettings:
+    """The `health` section of the router's config: active health checks of the fleet."""
+
+    interval_s: float = 2.0
+    unhealthy_after: int = 2
+    """Consecutive failed checks that take a worker out of routing."""
+    scrape_metrics: bool = False
+    """Also read each worker's vLLM gauges (running, waiting, KV usage) on every check."""
+
+    def fleet(
+        self,
+        specs: list[WorkerSpec],
+        client: httpx.AsyncClient,
+        *,
+        on_down: Callable[[str], Awaitable[None]] | None = None,
+        breaker: BreakerSettings | None = None,
+    ) -> Fleet:
+        return Fleet(
+            specs, client, health_interval_s=self.interval_s, unhealthy_after=self.unhealthy_after,
+            scrape_metrics=self.scrape_metrics, on_down=on_down, breaker=breaker,
+        )
+
+
 class Fleet:
     def __init__(
         self,

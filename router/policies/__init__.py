@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from router.policies.base import Policy
 from router.policies.cache_aware import CacheAwarePolicy
 from router.policies.least_loaded import LeastLoadedPolicy
@@ -14,6 +16,18 @@ POLICIES: dict[str, type] = {
 }
 
 
+@dataclass(frozen=True)
+class RoutingSettings:
+    """The `routing` section of the router's config."""
+
+    policy: str = "cache_aware"
+    load_factor: float = 1.25
+    """Bounded loads (router/policies/bounded.py): no worker takes more than this × the mean
+    (in flight and recent)."""
+    recent_half_life_s: float = 30.0
+    """Half-life of each worker's decayed count of recent requests (the load board)."""
+
+
 def make_policy(name: str, load_factor: float | None = None) -> Policy:
     try:
         cls = POLICIES[name]
@@ -24,4 +38,4 @@ def make_policy(name: str, load_factor: float | None = None) -> Policy:
     return cls()
 
 
-__all__ = ["POLICIES", "Policy", "make_policy"]
+__all__ = ["POLICIES", "Policy", "RoutingSettings", "make_policy"]

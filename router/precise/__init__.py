@@ -37,8 +37,8 @@ Modules, by concern:
 * `chain` — `PreciseChainBuilder`: token ids to the chain of vLLM block hashes;
 * `events` — `PreciseMode`: the builder plus KV-event ingestion for the fleet (worker
   config discovery, the refresh loop, start/stop);
-* `settings` — `PreciseSettings` (every setting, with its default) and `build_precise`;
-* `flags` — the `--tokenizer` & co. flags and `KVROUTE_*` variables, to `PreciseSettings`.
+* `settings` — `PreciseSettings` (every setting, with its default: the router config's
+  `precise` section) and `build_precise`.
 """
 
 from router.precise.chain import PreciseChainBuilder, chain_of_tokens

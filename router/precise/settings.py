@@ -1,7 +1,8 @@
 """Every precise-mode setting in one typed object, and precise mode built from it.
 
-`PreciseSettings` is what a configuration source fills (today the flags and `KVROUTE_*`
-variables of `router/precise/flags.py`); `build_precise` checks it and builds the mode.
+`PreciseSettings` is the `precise` section of the router's config (flags, `KVROUTE_*`
+variables and YAML keys like every other setting, router/config_loader.py);
+`build_precise` checks it and builds the mode.
 """
 
 from __future__ import annotations

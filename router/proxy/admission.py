@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 
 from router.errors import RouterError
 
@@ -159,3 +160,21 @@ def _handed(fut: asyncio.Future[bool]) -> bool:
 def _expire(fut: asyncio.Future[bool]) -> None:
     if not fut.done():
         fut.set_result(False)
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """The `overload` section of the router's config."""
+
+    max_inflight_per_worker: int = 0
+    """Requests in flight to one worker before new ones wait (0: no limit)."""
+    queue_size: int = 1024
+    """Requests that may wait for a slot; beyond, 429."""
+    queue_timeout_s: float = 10.0
+    retry_after_s: int = 1
+
+    def admission(self) -> Admission:
+        """Per-worker in-flight limits and the wait queue, or none (`max_inflight_per_worker` 0)."""
+        if self.max_inflight_per_worker <= 0:
+            return NoAdmission()
+        return Admission(self.max_inflight_per_worker, self.queue_size, self.queue_timeout_s, self.retry_after_s)

@@ -74,13 +74,13 @@ class Exchange:
         self.queue_deadline = 0.0
         """Loop time by which a queued request must have a slot (0: never queued yet)."""
 
-    def load(self, raw: bytes, settings: ProxySettings) -> None:
+    def load(self, raw: bytes, settings: ProxySettings, normalize: NormalizeOptions) -> None:
         """Parse the body once, check it, and serialise its canonical form for forwarding."""
         kind = self.kind = PROXIED_PATHS[self.scope["path"]]
         body = parse_body(raw)
         self.model = validate(body, kind)
         try:
-            body = canonical(body, kind, settings.normalize)
+            body = canonical(body, kind, normalize)
             self.payload = orjson.dumps(body)
         except (orjson.JSONEncodeError, RecursionError):
             # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.

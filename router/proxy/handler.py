@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
+from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
 from router.chain import ChainBuilder, RequestKind
 from router.cost import CostModel
@@ -40,7 +41,7 @@ from router.proxy.deadlines import Deadlines
 from router.proxy.exchange import Disconnected, Exchange, canonical, read_body
 from router.proxy.relay import send_whole
 from router.proxy.settings import ProxySettings
-from router.proxy.upstream import UpstreamClient
+from router.proxy.upstream import Headers, UpstreamClient, UpstreamResponse, make_upstream_client
 from router.routing import Routed, RouteRequest
 from router.workers import Fleet, Worker
 
@@ -54,6 +55,19 @@ _Outcome = Literal["answered", "full", "exhausted"]
 in-flight limit (wait for a slot); or nothing is left to try."""
 
 
+class _NotStarted:
+    """The forwarding client before `Proxy.start()`: a request then is a bug, said plainly."""
+
+    async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> UpstreamResponse:
+        raise RuntimeError("the proxy forwards only once started (Proxy.start)")
+
+    async def aclose(self) -> None:
+        return None
+
+
+_NOT_STARTED = _NotStarted()
+
+
 class Proxy:
     def __init__(
         self,
@@ -65,10 +79,16 @@ class Proxy:
         cost: CostModel,
         chains: ChainBuilder,
         metrics: RouterMetrics,
-        client: UpstreamClient,
+        client: UpstreamClient | None = None,
         admission: Admission | None = None,
+        *,
+        normalize: NormalizeOptions | None = None,
+        pool_enabled: bool = False,
     ) -> None:
         self.settings = settings
+        self.normalize = normalize if normalize is not None else NormalizeOptions()
+        self.pool_enabled = pool_enabled
+        """Workers share an LMCache pool: every routed prefix is also recorded on the pool."""
         self.admission: Admission = admission if admission is not None else NoAdmission()
         """Per-worker in-flight limits and the wait queue (NoAdmission: no limits)."""
         self.fleet = fleet
@@ -78,7 +98,9 @@ class Proxy:
         self.cost = cost
         self.chains = chains
         self.metrics = metrics
-        self.client = client
+        self._given_client = client
+        self.client: UpstreamClient = client if client is not None else _NOT_STARTED
+        """The forwarding client: the one given, or `settings.upstream_client`'s from `start()`."""
         self.deadlines = Deadlines()
 
     # -- ASGI entry ---------------------------------------------------------------------
@@ -89,7 +111,7 @@ class Proxy:
         try:
             raw = await read_body(scope, receive, self.settings.max_body_bytes)
             watcher = asyncio.create_task(self._watch(ex, receive, task))  # type: ignore[arg-type]
-            ex.load(raw, self.settings)
+            ex.load(raw, self.settings, self.normalize)
             await self._handle(ex)
         except Disconnected:
             self.metrics.client_disconnects.inc()
@@ -146,7 +168,7 @@ class Proxy:
 
     def canonical(self, body: dict[str, Any], kind: RequestKind | None) -> dict[str, Any]:
         """`body` as `decide` expects it and the workers get it (see `exchange.canonical`)."""
-        return canonical(body, kind, self.settings.normalize)
+        return canonical(body, kind, self.normalize)
 
     async def decide(
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
@@ -281,8 +303,17 @@ class Proxy:
     async def _record(self, worker: str, chain: PrefixChain) -> None:
         key_tokens = key_tokens_of(chain.cum_tokens)
         await self.index.record(worker, chain.keys, key_tokens)
-        if self.settings.pool_enabled:
+        if self.pool_enabled:
             await self.index.record(POOL, chain.keys, key_tokens)
 
-    async def close(self) -> None:
+    async def start(self) -> None:
+        # Built here, in the serving loop: aiohttp's session binds the loop it is made in.
+        if self._given_client is None:
+            s = self.settings
+            self.client = make_upstream_client(
+                connect_timeout_s=s.connect_timeout_s, max_connections=s.max_connections, kind=s.upstream_client
+            )
+
+    async def stop(self) -> None:
         await self.deadlines.close()
+        await self.client.aclose()

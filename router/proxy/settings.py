@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from normalizer.canonical import NormalizeOptions
 from router.chain import RequestKind
 
 PROXIED_PATHS: dict[str, RequestKind | None] = {
@@ -17,6 +16,8 @@ PROXIED_PATHS: dict[str, RequestKind | None] = {
 
 @dataclass(frozen=True)
 class ProxySettings:
+    """The `proxy` section of the router's config: how requests are read and forwarded."""
+
     max_body_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 3
     """Distinct workers tried for one request before it fails."""
@@ -25,7 +26,9 @@ class ProxySettings:
     idle_timeout_s: float = 120.0
     """Longest silence between two chunks of a stream."""
     total_timeout_s: float | None = None
+    connect_timeout_s: float = 5.0
+    max_connections: int = 4096
     forward_client_auth: bool = False
-    normalize: NormalizeOptions = field(default_factory=NormalizeOptions)
-    pool_enabled: bool = False
-    """Workers share an LMCache pool: every routed prefix is also recorded on the pool."""
+    upstream_client: str = "raw"
+    """The forwarding client (router/proxy/upstream.py): "raw", or "httpx" / "aiohttp" to
+    compare against in benchmarks (`kvroute bench-proxy` names like kvroute-POLICY+httpx)."""

@@ -366,7 +366,9 @@ def test_no_redis(helm: str) -> None:
 
 
 def test_static_discovery_lists_each_pod(helm: str) -> None:
-    docs = render(helm, "--set", "router.discovery.mode=static", "--set", "vllm.replicas=3")
+    docs = render(
+        helm, "--set", "router.discovery.mode=static", "--set", "vllm.replicas=3", "--set", f"router.precise.tokenizer={TOKENIZER}"
+    )
     cfg = router_config(docs)
     assert "discover" not in cfg
     host = "kvroute-vllm-{}.kvroute-vllm-headless." + SVC
@@ -556,11 +558,20 @@ def test_helm_check_script_is_shell_clean() -> None:
     assert shlex.split(script.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]
 
 
+def test_precise_mode_renders_the_precise_keys(helm: str) -> None:
+    off = router_config(render(helm, "--set", "router.discovery.mode=static"))
+    assert not {"tokenizer", "kv_events"} & set(off), "KV-event endpoints only with precise mode"
+    cfg = router_config(render(
+        helm, "--set", f"router.precise.tokenizer={TOKENIZER}", "--set", "router.precise.blockSize=16",
+        "--set", "router.precise.hashAlgo=sha256_cbor", "--set", "router.precise.kvEventsCpu=worker",
+    ))
+    assert (cfg["tokenizer"], cfg["block_size"], cfg["hash_algo"]) == (TOKENIZER, 16, "sha256_cbor")
+    assert (cfg["kv_events_discover"], cfg["kv_events_cpu"]) == (True, "worker")
+
+
 # -- the router accepts what the chart renders -----------------------------------------------
 
-# Settings the chart renders for features `kvroute serve` is still gaining (static KV-event
-# sources, API keys, the admin token). Every other key must be a RouterConfig field.
-PENDING_SETTINGS = {"kv_events"}  # precise mode takes KV-event endpoints from flags/env only (router/precise.py)
+TOKENIZER = "/models/qwen3-8b"
 
 
 @pytest.mark.parametrize(
@@ -571,27 +582,32 @@ PENDING_SETTINGS = {"kv_events"}  # precise mode takes KV-event endpoints from f
         ["--set", "router.discovery.mode=static"],
         ["--set", "router.discovery.mode=k8s", "--set", "lmcache.enabled=false"],
         ["--set", "redis.mode=external", "--set", "redis.external.url=redis://127.0.0.1:6379/3"],
+        ["--set", "router.discovery.mode=static", "--set", f"router.precise.tokenizer={TOKENIZER}",
+         "--set", "router.precise.hashSeed=7", "--set", "router.kvEvents={ext=tcp://10.0.0.9:5557}"],
     ],
 )
 def test_rendered_config_is_accepted_by_kvroute_serve(
     helm: str, args: list[str], tmp_path: Path
 ) -> None:
-    import dataclasses
-
-    from router.config import RouterConfig
-    from router.serve import load_config
+    from router.config_loader import FLAT_KEYS, load_config
+    from router.precise import PreciseSettings
 
     cfg = router_config(render(helm, *args))
-    fields = {f.name for f in dataclasses.fields(RouterConfig)}
-    assert set(cfg) - fields <= PENDING_SETTINGS, set(cfg) - fields - PENDING_SETTINGS
-    known = {k: v for k, v in cfg.items() if k in fields}
+    assert set(cfg) <= set(FLAT_KEYS), set(cfg) - set(FLAT_KEYS)
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(known))
+    path.write_text(yaml.safe_dump(cfg))
     config = load_config(["--config", str(path)], environ={})
-    assert config.host == "0.0.0.0" and config.port == 8000
+    assert config.server.host == "0.0.0.0" and config.server.port == 8000
     assert config.discover == cfg.get("discover", [])
     assert [f"{w.name}={w.url}" for w in config.workers] == cfg.get("workers", [])
-    assert config.redis == cfg.get("redis")
+    assert config.redis.url == cfg.get("redis")
+    if "tokenizer" in cfg:
+        assert config.precise == PreciseSettings(
+            tokenizer=TOKENIZER, hash_seed="7", kv_events=cfg["kv_events"], kv_events_discover=True, kv_events_cpu="pool"
+        )
+        assert cfg["kv_events"][-1] == "ext=tcp://10.0.0.9:5557"
+    else:
+        assert config.precise == PreciseSettings()
     if "discover" in cfg:
         from router.discovery import parse_discovery_target
 

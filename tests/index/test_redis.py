@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from cache_client.redis_conn import RedisBackend, RedisSettings, make_client, parse_redis_url
 from cache_client.redis_index import RedisIndex
 from loadtests.replicas import RedisServer
-from router.config import RouterConfig
+from router.config_loader import flat_config
 from router.metrics import RouterMetrics
-from router.serve import redis_components
+from router.services import redis_components
 from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
 from tests.support.wait import wait_for_async
 
@@ -52,7 +52,7 @@ def test_bad_urls_are_refused(url: str) -> None:
 
 
 def test_connect_redis_builds_index_and_load_board_from_the_config() -> None:
-    config = RouterConfig(redis="redis://127.0.0.1:6379/0", redis_prefix="dep-a", redis_lookup_budget_ms=7.0)
+    config = flat_config(redis="redis://127.0.0.1:6379/0", redis_prefix="dep-a", redis_lookup_budget_ms=7.0)
     parts = redis_components(config)
     index, loads = parts["index"], parts["loads"]
     assert isinstance(index, RedisIndex) and index.tag == "{dep-a}"
@@ -272,7 +272,7 @@ async def test_entries_expire_after_the_ttl(replicas) -> None:
 async def test_tls_password_and_database_from_the_url() -> None:
     with RedisServer(password="s3cret", tls=True) as server:
         url = server.url.replace("/0?", "/3?")  # rediss://:s3cret@127.0.0.1:PORT/3?ssl_ca_certs=...
-        parts = redis_components(RouterConfig(redis=url, redis_prefix="tls"))
+        parts = redis_components(flat_config(redis=url, redis_prefix="tls"))
         index = parts["index"]
         try:
             assert await index.connect()
@@ -292,7 +292,7 @@ async def test_tls_password_and_database_from_the_url() -> None:
 async def test_a_wrong_password_is_an_outage_not_a_failure(caplog: pytest.LogCaptureFixture) -> None:
     with RedisServer(password="right") as server:
         url = server.url.replace(":right@", ":wrong@")
-        index = redis_components(RouterConfig(redis=url, redis_prefix="auth"))["index"]
+        index = redis_components(flat_config(redis=url, redis_prefix="auth"))["index"]
         try:
             assert not await index.connect(timeout_s=1.0)
             await index.record("w", [1], [1])

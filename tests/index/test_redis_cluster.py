@@ -12,9 +12,9 @@ from redis.crc import key_slot
 
 from cache_client.redis_index import RedisIndex
 from loadtests.replicas import RedisClusterNodes
-from router.config import RouterConfig
+from router.config_loader import flat_config
 from router.load.redis import RedisLoadBoard
-from router.serve import redis_components
+from router.services import redis_components
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(redis_cl
         other = next(p for p in redis_cluster.ports if p != port)
         url = (f"redis+cluster://127.0.0.1:{other}" if i == 0
                else f"redis://127.0.0.1:{redis_cluster.ports[0]}/0?cluster=true")
-        parts = redis_components(RouterConfig(redis=url, redis_prefix=prefix, kv_capacity_tokens=100))
+        parts = redis_components(flat_config(redis=url, redis_prefix=prefix, kv_capacity_tokens=100))
         assert parts["index"].backend.settings.cluster
         assert await parts["index"].connect()
         built.append((prefix, port, parts["index"], parts["loads"]))
@@ -62,7 +62,7 @@ async def test_deployments_spread_over_nodes_and_each_stays_in_one_slot(redis_cl
             assert index.stats["fallback_lookups"] == 0
         # A second replica of deployment 0 sees its view, and not deployment 1's load.
         prefix0 = built[0][0]
-        twin = redis_components(RouterConfig(redis=redis_cluster.url, redis_prefix=prefix0))
+        twin = redis_components(flat_config(redis=redis_cluster.url, redis_prefix=prefix0))
         twin_index: RedisIndex = twin["index"]
         twin_loads: RedisLoadBoard = twin["loads"]
         assert await twin_index.connect()

@@ -1,4 +1,4 @@
-"""Precise-mode settings: one typed object from the flags/environment, and a clear exit
+"""Precise-mode settings: the config's `precise` section from flags/environment/YAML, and a clear exit
 (naming the `precise` extra) when precise mode is asked for without its packages.
 
 No `tokenizers` needed here: the missing-extra cases are what this file is for.
@@ -14,30 +14,50 @@ from pathlib import Path
 import pytest
 
 from loadtests.routerproc import free_port
+from router.config_loader import load_config
 from router.precise import PreciseSettings, build_precise
-from router.precise.flags import settings_from_env, take_precise_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTRA_HINT = "pip install 'kvroute[precise]'"
 
 
+WORKER = ["--worker", "w1=http://h:1"]
+
+
 def test_flags_become_one_settings_object() -> None:
-    env: dict[str, str] = {}
-    take_precise_flags(
-        ["--tokenizer", "/models/m", "--block-size", "16", "--hash-seed=7", "--kv-events", "w1=tcp://h:1",
+    config = load_config(
+        [*WORKER, "--tokenizer", "/models/m", "--block-size", "16", "--hash-seed=7", "--kv-events", "w1=tcp://h:1",
          "--kv-events", "w2=tcp://g:2", "--no-kv-events-discover", "--kv-events-cpu", "worker"],
-        env,
+        {},
     )
-    assert settings_from_env(env) == PreciseSettings(
+    assert config.precise == PreciseSettings(
         tokenizer="/models/m", block_size=16, hash_seed="7", kv_events=["w1=tcp://h:1", "w2=tcp://g:2"],
         kv_events_discover=False, kv_events_cpu="worker",
     )
 
 
 def test_unset_variables_are_the_settings_defaults() -> None:
-    assert settings_from_env({}) == PreciseSettings()
-    assert settings_from_env({"KVROUTE_TOKENIZER": "/models/m"}) == PreciseSettings(tokenizer="/models/m")
+    assert load_config(WORKER, {}).precise == PreciseSettings()
+    assert load_config(WORKER, {"KVROUTE_TOKENIZER": "/models/m"}).precise == PreciseSettings(tokenizer="/models/m")
     assert build_precise(PreciseSettings()) is None
+
+
+def test_precise_settings_from_the_environment_and_yaml(tmp_path: Path) -> None:
+    env = {"KVROUTE_TOKENIZER": "/models/m", "KVROUTE_KV_EVENTS": "w1=tcp://h:1,replay=tcp://h:2;w2=tcp://g:2",
+           "KVROUTE_KV_EVENTS_DISCOVER": "0", "KVROUTE_BLOCK_SIZE": "32"}
+    expected = PreciseSettings(tokenizer="/models/m", block_size=32, kv_events=["w1=tcp://h:1,replay=tcp://h:2", "w2=tcp://g:2"],
+                               kv_events_discover=False)
+    assert load_config(WORKER, env).precise == expected
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("tokenizer: /models/m\nblock_size: 32\nkv_events_discover: false\n"
+                    "kv_events: ['w1=tcp://h:1,replay=tcp://h:2', 'w2=tcp://g:2']\n")
+    assert load_config([*WORKER, "--config", str(flat)], {}).precise == expected
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("precise:\n  tokenizer: /models/m\n  block_size: 32\n  kv_events_discover: false\n"
+                      "  kv_events: ['w1=tcp://h:1,replay=tcp://h:2', 'w2=tcp://g:2']\n")
+    assert load_config([*WORKER, "--config", str(nested)], {}).precise == expected
+    # without a tokenizer precise mode is off and its other settings are not read
+    assert load_config(WORKER, {"KVROUTE_BLOCK_SIZE": "x"}).precise == PreciseSettings()
 
 
 def test_build_precise_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -113,34 +113,36 @@ def test_unmodelled_inputs_fall_back_to_estimates(tok: ModelTokenizer) -> None:
     assert builder.fallbacks == 1 and len(chain.keys) == 2  # the estimate chain: tools + 1 message
 
 
-def test_precise_flags_travel_through_the_environment(model_dir: Path) -> None:
-    from router.precise import PreciseMode
-    from router.precise.flags import precise_from_env, take_precise_flags
+def precise_from(argv: list[str], env: dict[str, str]):
+    from router.config_loader import load_config
+    from router.precise import build_precise
 
-    env: dict[str, str] = {}
-    rest = take_precise_flags(
-        ["--worker", "w1=http://h:1", "--tokenizer", str(model_dir), "--block-size=32", "--hash-algo", "sha256_cbor",
-         "--kv-events", "w1=tcp://h:5557,replay=tcp://h:5558", "--kv-events", "w2=tcp://g:5557",
-         "--no-kv-events-discover", "--policy", "cache_aware"],
-        env,
-    )
-    assert rest == ["--worker", "w1=http://h:1", "--policy", "cache_aware"]
-    mode = precise_from_env(env)
+    return build_precise(load_config(["--worker", "w1=http://h:1", *argv], env).precise)
+
+
+def test_precise_flags_are_config_settings(model_dir: Path) -> None:
+    from router.config_loader import load_config
+    from router.precise import PreciseMode
+
+    argv = ["--worker", "w1=http://h:1", "--tokenizer", str(model_dir), "--block-size=32", "--hash-algo", "sha256_cbor",
+            "--kv-events", "w1=tcp://h:5557,replay=tcp://h:5558", "--kv-events", "w2=tcp://g:5557",
+            "--no-kv-events-discover", "--policy", "cache_aware"]
+    config = load_config(argv, {})
+    assert [w.name for w in config.workers] == ["w1"] and config.routing.policy == "cache_aware"
+    mode = precise_from(argv[2:], {})
     assert isinstance(mode, PreciseMode) and mode.records_on_route is False
     assert mode.hasher is not None and (mode.hasher.block_size, mode.hasher.algo) == (32, "sha256_cbor")
     assert [(s.worker, s.replay_endpoint) for s in mode._given_sources] == [("w1", "tcp://h:5558"), ("w2", None)]
     assert mode._discover is False
-    assert precise_from_env({}) is None
+    assert precise_from([], {}) is None
     with pytest.raises(SystemExit):
-        precise_from_env({"KVROUTE_TOKENIZER": str(model_dir), "KVROUTE_HASH_ALGO": "xxhash"})
+        precise_from([], {"KVROUTE_TOKENIZER": str(model_dir), "KVROUTE_HASH_ALGO": "xxhash"})
     with pytest.raises(SystemExit):
-        precise_from_env({"KVROUTE_KV_EVENTS": "w1=tcp://h:1"})
+        precise_from([], {"KVROUTE_KV_EVENTS": "w1=tcp://h:1"})
 
 
 def test_without_a_block_size_precise_mode_waits_for_the_workers(model_dir: Path) -> None:
-    from router.precise.flags import precise_from_env
-
-    mode = precise_from_env({"KVROUTE_TOKENIZER": str(model_dir)})
+    mode = precise_from([], {"KVROUTE_TOKENIZER": str(model_dir)})
     assert mode is not None and mode.hasher is None
     chain = mode.build({"model": "tiny", "prompt": "x " * 100}, "completion")
     assert mode.fallbacks == 1 and chain.keys  # estimate chain until cache_config_info is read
@@ -183,7 +185,7 @@ class _CapacityLog(MemoryIndex):
 
 async def test_precise_mode_starts_with_the_apps_fleet_index_and_metrics(model_dir: Path) -> None:
     from cache_client.kv_events import KvEventSource
-    from router.app import KvrouteApp
+    from router.app import build_app
     from router.config import RouterConfig
     from router.precise import PreciseMode
     from router.workers import WorkerSpec
@@ -196,7 +198,7 @@ async def test_precise_mode_starts_with_the_apps_fleet_index_and_metrics(model_d
         source = KvEventSource("w1", "tcp://127.0.0.1:1")  # nobody publishes there: subscribed, silent
         mode = PreciseMode(ModelTokenizer.from_dir(model_dir), sources=[source])
         index = _CapacityLog()
-        app = KvrouteApp(RouterConfig(workers=[WorkerSpec("w1", url)]), index=index, chains=mode)
+        app = build_app(RouterConfig(workers=[WorkerSpec("w1", url)]), index=index, chains=mode)
         async with app.lifespan(app.api):
             assert mode.hasher is not None and (mode.hasher.block_size, mode.hasher.algo) == (32, "sha256_cbor")
             assert index.capacities["w1"] == 4096 * 32  # the worker's real KV size

@@ -107,10 +107,10 @@ def test_key_check_and_parsing() -> None:
 def test_secret_settings_from_env_and_files(tmp_path, monkeypatch) -> None:
     env = {"KVROUTE_API_KEYS": "e1, e2", "KVROUTE_ADMIN_TOKEN": " adm "}
     config = load_config(["--worker", "a=http://127.0.0.1:9"], env)
-    assert config.api_keys == ["e1", "e2"]
-    assert resolve_admin_token(config.admin_token, config.admin_token_file) == "adm"
+    assert config.security.api_keys == ["e1", "e2"]
+    assert resolve_admin_token(config.security.admin_token, config.security.admin_token_file) == "adm"
     config = load_config(["--worker", "a=http://127.0.0.1:9", "--api-keys", "f1,f2", "--api-keys", "f3"], {})
-    assert resolve_api_keys(config.api_keys, None) == ["f1", "f2", "f3"]
+    assert resolve_api_keys(config.security.api_keys, None) == ["f1", "f2", "f3"]
     missing = load_config(["--worker", "a=http://127.0.0.1:9", "--api-keys-file", str(tmp_path / "missing")], {})
     with pytest.raises(SystemExit, match="cannot read --api-keys-file"):
         check_secrets(missing)

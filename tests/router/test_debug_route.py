@@ -11,7 +11,7 @@ from cache_client.base import IndexView, PrefixIndex, key_tokens_of
 from cache_client.memory import MemoryIndex
 from normalizer.prefix import PrefixKey
 from router.app import build_app
-from router.config import RouterConfig
+from router.config_loader import flat_config
 from router.routing import RouteRequest
 from router.workers import WorkerSpec
 from tests.support.upstream import RecordingUpstream
@@ -41,7 +41,7 @@ class CountingIndex:
 async def test_debug_route_reports_the_numbers_the_policy_ranked_by() -> None:
     index = CountingIndex(MemoryIndex(1_000_000))
     with RecordingUpstream() as a, RecordingUpstream() as b:
-        config = RouterConfig(
+        config = flat_config(
             workers=[WorkerSpec("a", a.url), WorkerSpec("b", b.url)], policy="cache_aware", admin_token=TOKEN
         )
         app = build_app(config, index=index)

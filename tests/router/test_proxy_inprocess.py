@@ -14,6 +14,7 @@ import pytest
 
 from router.app import build_app
 from router.config import RouterConfig
+from router.config_loader import flat_config
 from router.proxy.upstream import (
     HttpxUpstreamClient,
     RawUpstreamClient,
@@ -38,7 +39,7 @@ EVENTS = [b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n', b'data: {"cho
 
 def config(workers: int = 2, **overrides: object) -> RouterConfig:
     specs = [WorkerSpec(f"w{i}", f"http://w{i}.test:8000") for i in range(1, workers + 1)]
-    return RouterConfig(workers=specs, health_interval_s=3600.0, outlier_interval_s=0.0, **overrides)  # type: ignore[arg-type]
+    return flat_config(workers=specs, health_interval_s=3600.0, outlier_interval_s=0.0, **overrides)
 
 
 def worker_of(url: str) -> str:

@@ -133,7 +133,18 @@ app.kubernetes.io/part-of: kvroute
 {{- $workers = concat $workers $r.workers -}}
 {{- $kvEvents = concat $kvEvents $r.kvEvents -}}
 {{- if $workers -}}{{- $_ := set $cfg "workers" $workers -}}{{- end -}}
+{{- $p := $r.precise -}}
+{{- if $p.tokenizer -}}
+{{- /* Precise mode: its settings are config keys like every other (router/config_loader.py);
+       KV-event endpoints only mean something with it (the router refuses them alone). */ -}}
+{{- $_ := set $cfg "tokenizer" $p.tokenizer -}}
+{{- if $p.blockSize -}}{{- $_ := set $cfg "block_size" (int $p.blockSize) -}}{{- end -}}
+{{- if $p.hashAlgo -}}{{- $_ := set $cfg "hash_algo" $p.hashAlgo -}}{{- end -}}
+{{- if $p.hashSeed -}}{{- $_ := set $cfg "hash_seed" (toString $p.hashSeed) -}}{{- end -}}
+{{- $_ := set $cfg "kv_events_discover" $p.kvEventsDiscover -}}
+{{- $_ := set $cfg "kv_events_cpu" $p.kvEventsCpu -}}
 {{- if $kvEvents -}}{{- $_ := set $cfg "kv_events" $kvEvents -}}{{- end -}}
+{{- end -}}
 {{- if $r.kvCapacityTokens -}}{{- $_ := set $cfg "kv_capacity_tokens" (int64 $r.kvCapacityTokens) -}}{{- end -}}
 {{- if $r.poolCapacityTokens -}}
 {{- $_ := set $cfg "pool_capacity_tokens" (int64 $r.poolCapacityTokens) -}}

@@ -1,0 +1,316 @@
+"""The one place the router's configuration is built: flags, `KVROUTE_*` environment
+variables and a YAML file -> `RouterConfig`. No other module reads the environment; what
+the rest of the router needs from it (an `api_key_env` named at runtime, Kubernetes'
+`KUBERNETES_SERVICE_HOST`) comes from the snapshot `environment()` takes here.
+
+Every setting has one flat name (`FLAT_KEYS`: `kv_capacity_tokens`, `redis_prefix`,
+`tokenizer`, ...), which is its flag (`--kv-capacity-tokens`), its environment variable
+(`KVROUTE_KV_CAPACITY_TOKENS`) and its YAML key, and lands on one field of one section
+(`index.kv_capacity_tokens`, `redis.prefix`, `precise.tokenizer`). YAML also takes the
+sections themselves: `redis: {url: ..., prefix: ...}` (a string under `redis` is the URL,
+as ever). Precedence: flag > environment > YAML file > default.
+
+`--processes N` children get the parent's config object itself: the parent serializes it
+(`config_to_json`) into one variable that only `config_for_child` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from cache_client.kv_events import CpuMedium
+from router.config import RouterConfig
+from router.policies import POLICIES
+from router.workers import WorkerSpec, parse_worker_arg
+
+ENV_PREFIX = "KVROUTE_"
+CHILD_CONFIG_ENV = "KVROUTE__SERVE_CONFIG_JSON"
+"""Carries the parent's config to `--processes N` children (uvicorn re-imports the app)."""
+
+Slot = tuple[str | None, str]
+"""(section, field) of RouterConfig; section None: a top-level field (workers, discover)."""
+
+
+def _same(section: str, *names: str) -> dict[str, Slot]:
+    return {name: (section, name) for name in names}
+
+
+def _prefixed(section: str, prefix: str, *names: str) -> dict[str, Slot]:
+    return {prefix + name: (section, name) for name in names}
+
+
+FLAT_KEYS: dict[str, Slot] = {
+    "workers": (None, "workers"),
+    "discover": (None, "discover"),
+    **_same("routing", "policy"),
+    **_same("server", "host", "port", "processes", "log_level"),
+    "redis": ("redis", "url"),
+    **_prefixed("redis", "redis_", "prefix", "ttl_s", "lookup_budget_ms"),
+    **_same("index", "kv_capacity_tokens", "pool_capacity_tokens"),
+    **_same("routing", "load_factor", "recent_half_life_s"),
+    **_prefixed("cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms"),
+    "normalize_tool_schemas": ("normalize", "tool_schemas"),
+    "normalize_tool_arguments": ("normalize", "tool_call_arguments"),
+    "normalize_system_prompt": ("normalize", "system_prompt"),
+    **_same(
+        "proxy", "max_body_bytes", "max_attempts", "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s",
+        "total_timeout_s", "max_connections", "forward_client_auth", "upstream_client",
+    ),
+    "health_interval_s": ("health", "interval_s"),
+    **_same("health", "unhealthy_after", "scrape_metrics"),
+    "breaker_failures": ("breaker", "failure_threshold"),
+    **_prefixed("breaker", "breaker_", "open_s", "max_open_s"),
+    **_prefixed(
+        "outlier", "outlier_", "interval_s", "min_requests", "error_rate", "latency_factor", "ejection_s",
+        "max_ejected_fraction",
+    ),
+    **_same("overload", "max_inflight_per_worker", "queue_size", "queue_timeout_s", "retry_after_s"),
+    **_same("server", "shutdown_grace_s", "keep_alive_s"),
+    **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
+    **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
+}
+"""Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
+
+LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys", "kv_events": "--kv-events"}
+"""Repeatable flags, named in the singular where they take one item."""
+
+HELP = {
+    "workers": "a worker as NAME=URL or URL (repeatable)",
+    "discover": "discover workers, e.g. dns://HEADLESS_SERVICE:PORT (repeatable)",
+    "policy": "routing policy",
+    "redis": "share the index through Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS), "
+    "redis+cluster://HOST:PORT[,HOST:PORT...] or ?cluster=true (Redis Cluster); see docs/redis.md",
+    "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",
+    "redis_ttl_s": "Redis index entries unused for this many seconds expire",
+    "redis_lookup_budget_ms": "longest a lookup waits for Redis before routing on the local view",
+    "pool_capacity_tokens": "the workers share an LMCache CPU pool of this many tokens (0: no pool)",
+    "kv_capacity_tokens": "KV capacity of each worker in tokens, for the LRU capacity model",
+    "processes": "router processes on one port (share state through --redis)",
+    "api_keys": "client API keys accepted on /v1/* (comma-separated, repeatable; env KVROUTE_API_KEYS); "
+    "prefer --api-keys-file, a flag shows in ps",
+    "api_keys_file": "file of client API keys, one a line (# comments)",
+    "admin_token": "token for /admin/* and /debug/route; prefer env KVROUTE_ADMIN_TOKEN or --admin-token-file",
+    "admin_token_file": "file holding the admin token",
+    "upstream_client": "forwarding client: raw (default), or httpx / aiohttp to compare in benchmarks",
+    "max_inflight_per_worker": "requests in flight to one worker before new ones queue (0: no limit)",
+    "queue_size": "requests that may wait for a worker slot; beyond, 429 with Retry-After",
+    "queue_timeout_s": "longest a request waits for a worker slot before 429",
+    "shutdown_grace_s": "on SIGTERM, how long in-flight requests and streams may take to finish",
+    "keep_alive_s": "idle client connections are kept this long (longer than clients keep theirs)",
+    "breaker_failures": "consecutive failures that open a worker's circuit (0: never)",
+    "outlier_interval_s": "how often error-rate/latency outliers are judged and ejected (0: off)",
+    "tokenizer": "precise mode: model dir (tokenizer.json + tokenizer_config.json); see docs/precise.md",
+    "block_size": "precise mode: vLLM block size (default: the workers' vllm:cache_config_info)",
+    "hash_algo": "precise mode: sha256 | sha256_cbor (default: the workers' cache_config_info)",
+    "hash_seed": "precise mode: the workers' PYTHONHASHSEED, if they set one",
+    "kv_events": "precise mode: a worker's KV-event publisher, NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]"
+    "[,topic=T] (repeatable; env KVROUTE_KV_EVENTS ;-separated)",
+    "kv_events_discover": "precise mode: ask workers without --kv-events for /kv_event_sources (default on)",
+    "kv_events_cpu": "precise mode: where CPU-medium events go: pool (default), worker or ignore",
+}
+
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory for f in dataclasses.fields(RouterConfig) if f.name not in ("workers", "discover")  # type: ignore[misc]
+}
+"""Section name -> its dataclass (each defined beside the component that takes it)."""
+
+_HINT_NAMES = {"CpuMedium": CpuMedium}
+"""Names the sections' annotations use only under TYPE_CHECKING."""
+
+
+def _field_type(slot: Slot) -> type:
+    section, name = slot
+    owner = RouterConfig if section is None else SECTIONS[section]
+    hint = typing.get_type_hints(owner, localns=_HINT_NAMES)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is typing.Literal:
+        return str
+    return typing.get_origin(hint) or hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute serve",
+        description="KV-cache-aware OpenAI-compatible router for vLLM workers. Every flag is also an "
+        "environment variable (--kv-capacity-tokens: KVROUTE_KV_CAPACITY_TOKENS) and a YAML key "
+        "(kv_capacity_tokens, or nested by section: index: {kv_capacity_tokens: ...}).",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="YAML config file (env KVROUTE_CONFIG)")
+    for name, slot in FLAT_KEYS.items():
+        help_ = HELP.get(name, "")
+        if name in LIST_FLAGS:
+            parser.add_argument(LIST_FLAGS[name], dest=name, action="append", help=help_)
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _field_type(slot)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+        elif name == "policy":
+            parser.add_argument(flag, dest=name, choices=sorted(POLICIES), help=help_)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, help=help_)
+    return parser
+
+
+def _items(value: Any, sep: str) -> list[Any]:
+    return value.split(sep) if isinstance(value, str) else list(value)
+
+
+def _coerce(slot: Slot, value: Any, env: Mapping[str, str]) -> Any:
+    name = slot[1]
+    if name == "workers":
+        return [_worker(v, env) for v in _items(value, ",") if v]
+    if name == "discover":
+        return [v for v in _items(value, ",") if v]
+    if name == "api_keys":
+        items = [value] if isinstance(value, str) else list(value)
+        return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
+    if name == "kv_events":  # an endpoint holds commas (",replay=..."): the variable is ;-separated
+        return [str(v) for v in _items(value, ";") if v]
+    if value is None:
+        return None
+    kind = _field_type(slot)
+    if kind is bool and isinstance(value, str):
+        if name == "kv_events_discover":  # on unless switched off, as its variable always read
+            return value.strip().lower() not in ("0", "false", "no", "off")
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+def _worker(value: Any, env: Mapping[str, str]) -> WorkerSpec:
+    if isinstance(value, WorkerSpec):
+        return value
+    if isinstance(value, dict):
+        spec = parse_worker_arg(f"{value['name']}={value['url']}" if "name" in value else value["url"])
+        api_key = value.get("api_key")
+        if value.get("api_key_env"):
+            api_key = env.get(value["api_key_env"])
+        return dataclasses.replace(spec, api_key=api_key)
+    return parse_worker_arg(str(value))
+
+
+def _from_yaml(path: str) -> dict[Slot, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        loaded = yaml.safe_load(fh) or {}
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"kvroute: {path}: expected a mapping of settings")
+    values: dict[Slot, Any] = {}
+    unknown: list[str] = []
+    for key, value in loaded.items():
+        key = str(key).replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            fields = {f.name for f in dataclasses.fields(SECTIONS[key])}
+            for sub, item in value.items():
+                sub = str(sub).replace("-", "_")
+                if sub in fields:
+                    values[(key, sub)] = item
+                else:
+                    unknown.append(f"{key}.{sub}")
+        elif key in FLAT_KEYS:
+            values[FLAT_KEYS[key]] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise SystemExit(f"kvroute: unknown settings in {path}: {', '.join(sorted(unknown))}")
+    return values
+
+
+def _from_env(env: Mapping[str, str]) -> dict[Slot, Any]:
+    values: dict[Slot, Any] = {}
+    for name, slot in FLAT_KEYS.items():
+        alias = LIST_FLAGS.get(name, "").lstrip("-").replace("-", "_").upper()
+        for env_name in (ENV_PREFIX + name.upper(), ENV_PREFIX + alias):
+            if env_name != ENV_PREFIX and env_name in env:
+                values[slot] = env[env_name]
+    return values
+
+
+_FLAT_NAMES = {slot: name for name, slot in FLAT_KEYS.items()}
+
+
+def _label(slot: Slot) -> str:
+    """The setting's flat name (`section.field` for one only a YAML section sets), for messages."""
+    return _FLAT_NAMES.get(slot) or f"{slot[0]}.{slot[1]}"
+
+
+def _assemble(values: dict[Slot, Any], env: Mapping[str, str]) -> RouterConfig:
+    if not values.get(("precise", "tokenizer")):
+        # Precise mode off: its other settings are not read (a stray KVROUTE_BLOCK_SIZE in
+        # a container's environment means nothing), only --kv-events, which then fails.
+        values = {slot: v for slot, v in values.items() if slot[0] != "precise" or slot[1] == "kv_events"}
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for slot, value in values.items():
+        try:
+            coerced = _coerce(slot, value, env)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise SystemExit(f"kvroute: bad setting {_label(slot)}: {exc}") from None
+        section, name = slot
+        (top if section is None else sections[section])[name] = coerced
+    config = RouterConfig(**top, **{name: SECTIONS[name](**fields) for name, fields in sections.items()})
+    if config.routing.policy not in POLICIES:
+        raise SystemExit(f"kvroute: unknown policy {config.routing.policy!r}")
+    return config
+
+
+def load_config(argv: list[str], environ: Mapping[str, str] | None = None) -> RouterConfig:
+    env = environment() if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    values: dict[Slot, Any] = {}
+    config_path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        values.update(_from_yaml(config_path))
+    values.update(_from_env(env))
+    values.update({FLAT_KEYS[name]: value for name, value in args.items()})
+    return _assemble(values, env)
+
+
+def flat_config(**settings: Any) -> RouterConfig:
+    """The config these flat settings (YAML keys, `redis="redis://..."`, `kv_capacity_tokens=...`)
+    describe, the rest defaults: for code that builds a router without a command line."""
+    unknown = set(settings) - set(FLAT_KEYS)
+    if unknown:
+        raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+    return _assemble({FLAT_KEYS[name]: value for name, value in settings.items()}, {})
+
+
+def environment() -> dict[str, str]:
+    """This process's environment, read once (the rest of the router gets this snapshot)."""
+    return dict(os.environ)
+
+
+# -- the config of --processes N children --------------------------------------------------
+def config_to_json(config: RouterConfig) -> str:
+    return orjson.dumps(dataclasses.asdict(config)).decode()
+
+
+def config_from_json(raw: str) -> RouterConfig:
+    """Exactly the config `config_to_json` was given (round trip)."""
+    data = orjson.loads(raw)
+    return RouterConfig(
+        workers=[WorkerSpec(**w) for w in data.pop("workers")],
+        discover=list(data.pop("discover")),
+        **{name: SECTIONS[name](**fields) for name, fields in data.items()},
+    )
+
+
+def hand_to_children(config: RouterConfig) -> None:
+    """Put `config` where `--processes N` children (which inherit the environment) find it."""
+    os.environ[CHILD_CONFIG_ENV] = config_to_json(config)
+
+
+def config_for_child() -> RouterConfig:
+    """In a `--processes N` child: the parent's config."""
+    return config_from_json(os.environ[CHILD_CONFIG_ENV])

@@ -1,0 +1,243 @@
+"""Every component of a router, built in one place from its config (`build_services`).
+
+The app (router/app.py) and the admin endpoints (router/admin.py) are assembled from the
+`Services` object; nothing reaches for a component through the app. Components with a
+lifecycle share one protocol (`Lifecycle`: async `start()` / `stop()`); `Services.lifecycle`
+lists them in start order, and the app's lifespan stops them in reverse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from cache_client.base import POOL, IndexObserver, PrefixIndex
+from cache_client.memory import MemoryIndex
+from router.auth import KeyCheck
+from router.breaker import OutlierDetector
+from router.chain import ChainBuilder, EstimateChainBuilder
+from router.config import RouterConfig
+from router.cost import CostModel
+from router.discovery import DnsDiscovery, EndpointSliceDiscovery, start_discovery
+from router.load import LoadBoard, LocalLoadBoard
+from router.looplag import LoopLagMonitor
+from router.metrics import RouterMetrics
+from router.policies import Policy, make_policy
+from router.precise import PreciseMode, build_precise
+from router.proxy import Proxy
+from router.proxy.admission import Admission
+from router.proxy.upstream import UpstreamClient
+from router.workers import Fleet
+
+log = logging.getLogger("kvroute")
+
+
+class Lifecycle(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class Stage:
+    """A `Lifecycle` made of two callables, for components whose own methods are named or
+    shaped otherwise (`PrefixIndex.close`, `PreciseMode.start(fleet=...)`)."""
+
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], Awaitable[None]] | None = None,
+        stop: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.name = name
+        self._start = start
+        self._stop = stop
+
+    async def start(self) -> None:
+        if self._start is not None:
+            await self._start()
+
+    async def stop(self) -> None:
+        if self._stop is not None:
+            await self._stop()
+
+
+class Discoveries:
+    """The fleet kept in step with each `--discover` target while the router runs. Built at
+    start: a k8s:// target needs the pod's service account, which only the server has."""
+
+    def __init__(self, fleet: Fleet, targets: list[str], environ: Mapping[str, str]) -> None:
+        self._fleet = fleet
+        self._targets = targets
+        self._environ = environ
+        self.running: list[DnsDiscovery | EndpointSliceDiscovery] = []
+
+    async def start(self) -> None:
+        for target in self._targets:
+            self.running.append(await start_discovery(self._fleet, target, environ=self._environ))
+
+    async def stop(self) -> None:
+        for discovery in self.running:
+            await discovery.stop()
+        self.running.clear()
+
+
+@dataclass
+class Services:
+    config: RouterConfig
+    environ: Mapping[str, str]
+    """The environment as the config builder read it: admin's `api_key_env` lookups and
+    Kubernetes discovery look names up here."""
+    metrics: RouterMetrics
+    index: PrefixIndex
+    loads: LoadBoard
+    chains: ChainBuilder
+    precise: PreciseMode | None
+    """`chains` when it is precise mode (KV-event ingestion then runs with the fleet)."""
+    policy: Policy
+    cost: CostModel
+    admission: Admission
+    api_keys: KeyCheck | None
+    """Checked for every /v1/* request; None: no client authentication."""
+    admin_token: KeyCheck | None
+    health_client: httpx.AsyncClient
+    fleet: Fleet
+    proxy: Proxy
+    outliers: OutlierDetector
+    loop_lag: LoopLagMonitor
+    discoveries: Discoveries
+    lifecycle: list[Lifecycle] = field(default_factory=list)
+    """Started in this order, stopped in reverse."""
+
+
+def redis_components(config: RouterConfig, observer: IndexObserver | None = None) -> dict[str, Any]:
+    """The `redis` section's components: `index` (RedisIndex, reporting its health to
+    `observer`) and `loads` (RedisLoadBoard), sharing one client. Connects lazily, on the
+    first call in the app's loop."""
+    from cache_client.redis_index import RedisIndex
+    from router.load.redis import RedisLoadBoard
+
+    index = RedisIndex.from_settings(config.redis.index_settings(config.index.kv_capacity_tokens), observer)
+    loads = RedisLoadBoard(
+        index.backend, prefix=config.redis.prefix, half_life_s=config.routing.recent_half_life_s,
+        replica_id=f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(3)}",
+    )
+    logging.getLogger("kvroute.redis").info(
+        "index and loads shared through %s, prefix %s", index.backend.settings.display(), index.tag
+    )
+    return {"index": index, "loads": loads}
+
+
+def _health_client(config: RouterConfig) -> httpx.AsyncClient:
+    p = config.proxy
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=p.connect_timeout_s, read=None, write=p.connect_timeout_s, pool=None),
+        limits=httpx.Limits(
+            max_connections=p.max_connections, max_keepalive_connections=p.max_connections, keepalive_expiry=30
+        ),
+        follow_redirects=False,
+        trust_env=False,  # a proxy from the environment must never see worker traffic
+    )
+
+
+def build_services(
+    config: RouterConfig,
+    *,
+    environ: Mapping[str, str] | None = None,
+    index: PrefixIndex | None = None,
+    loads: LoadBoard | None = None,
+    chains: ChainBuilder | None = None,
+    metrics: RouterMetrics | None = None,
+    upstream: UpstreamClient | None = None,
+    health_client: httpx.AsyncClient | None = None,
+) -> Services:
+    """Every component `config` describes; the keyword arguments replace one each (tests:
+    a fake upstream, an httpx MockTransport for health checks, a prepared index)."""
+    # Given when the index reports its health into them (it is built before the app).
+    metrics = metrics if metrics is not None else RouterMetrics()
+    if config.redis.url and index is None and loads is None:
+        shared = redis_components(config, observer=metrics)
+        index, loads = shared["index"], shared["loads"]
+    index = index if index is not None else MemoryIndex(config.index.kv_capacity_tokens)
+    loads = loads if loads is not None else LocalLoadBoard(config.routing.recent_half_life_s)
+    if chains is None:
+        mode = build_precise(config.precise)
+        chains = mode if mode is not None else EstimateChainBuilder()
+    precise = chains if isinstance(chains, PreciseMode) else None
+    policy = make_policy(config.routing.policy, config.routing.load_factor)
+    cost = config.cost.model()
+    admission = config.overload.admission()
+    client = health_client or _health_client(config)
+    fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
+    # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
+    # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
+    proxy = Proxy(
+        config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
+        normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
+    )
+    env: Mapping[str, str] = environ if environ is not None else {}
+    services = Services(
+        config=config,
+        environ=env,
+        metrics=metrics,
+        index=index,
+        loads=loads,
+        chains=chains,
+        precise=precise,
+        policy=policy,
+        cost=cost,
+        admission=admission,
+        api_keys=config.security.client_keys(),
+        admin_token=config.security.admin_check(),
+        health_client=client,
+        fleet=fleet,
+        proxy=proxy,
+        outliers=OutlierDetector(lambda: fleet, config.outlier),
+        loop_lag=LoopLagMonitor(),
+        discoveries=Discoveries(fleet, config.discover, env),
+    )
+    services.lifecycle = _lifecycle(services)
+    return services
+
+
+def _lifecycle(s: Services) -> list[Lifecycle]:
+    async def set_capacities() -> None:
+        for spec in s.config.workers:
+            s.index.set_capacity(spec.name, s.config.index.kv_capacity_tokens)
+        if s.config.index.pool_capacity_tokens > 0:
+            s.index.set_capacity(POOL, s.config.index.pool_capacity_tokens)
+
+    async def close_index_and_client() -> None:
+        await s.index.close()
+        await s.health_client.aclose()
+
+    stages: list[Lifecycle] = [Stage("index", set_capacities, close_index_and_client), s.proxy, s.fleet]
+    if s.precise is not None:  # KV-event ingestion (router/precise/events.py)
+        mode = s.precise
+
+        async def ingest() -> None:
+            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry)
+
+        stages.append(Stage("precise", ingest, mode.stop))
+    return [*stages, s.outliers, s.loop_lag, s.discoveries]
+
+
+async def start_all(services: Services) -> None:
+    """Start every component in order; if one fails, stop those already started."""
+    started: list[Lifecycle] = []
+    try:
+        for component in services.lifecycle:
+            await component.start()
+            started.append(component)
+    except BaseException:
+        await stop_all(started)
+        raise
+
+
+async def stop_all(components: list[Lifecycle]) -> None:
+    for component in reversed(components):
+        await component.stop()
