@@ -32,6 +32,10 @@ class PrefixChain:
     cum_tokens: tuple[int, ...]
     """Estimated prompt tokens covered by keys[0..i] (whole tokens)."""
     total_tokens: int
+    reply_depth: int = 0
+    """Keys before the request's last assistant message: the prompt of the turn whose
+    answer that message is, so a worker holding this many keys served the conversation's
+    previous turn (0: the request carries no model output, e.g. a new session)."""
 
     def tokens_at_depth(self, depth: int) -> int:
         """Tokens covered by the first `depth` keys."""
@@ -89,6 +93,18 @@ def chat_segments(body: dict[str, Any]) -> list[bytes]:
     return segments
 
 
+def reply_segment(body: dict[str, Any]) -> int | None:
+    """Index in `chat_segments(body)` of the last assistant message, if there is one."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            return i + 1  # segment 0 is the tools
+    return None
+
+
 def completion_segments(body: dict[str, Any]) -> list[bytes]:
     """The prompt of a completions request in fixed-size chunks (first segment empty)."""
     prompt = body.get("prompt", "")
@@ -109,8 +125,11 @@ def _digest(parent: bytes, segment: bytes) -> bytes:
     return hashlib.blake2b(segment, digest_size=8, key=parent).digest()
 
 
-def prefix_chain(model: str, segments: list[bytes]) -> PrefixChain:
-    """Hash the segments once, each chained to its predecessor."""
+def prefix_chain(model: str, segments: list[bytes], reply_at: int | None = None) -> PrefixChain:
+    """Hash the segments once, each chained to its predecessor.
+
+    `reply_at`: index of the segment holding the last model answer (`reply_segment()`).
+    """
     keys: list[PrefixKey] = []
     cum: list[int] = []
     parent = hashlib.blake2b(model.encode(), digest_size=8).digest()
@@ -120,4 +139,5 @@ def prefix_chain(model: str, segments: list[bytes]) -> PrefixChain:
         total_bytes += len(segment)
         keys.append(PrefixKey(int.from_bytes(parent, "big")))
         cum.append(total_bytes // CHARS_PER_TOKEN)
-    return PrefixChain(tuple(keys), tuple(cum), total_bytes // CHARS_PER_TOKEN)
+    reply_depth = reply_at if reply_at is not None else 0
+    return PrefixChain(tuple(keys), tuple(cum), total_bytes // CHARS_PER_TOKEN, reply_depth)

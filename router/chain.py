@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol
 
-from normalizer.prefix import PrefixChain, chat_segments, completion_segments, prefix_chain
+from normalizer.prefix import (
+    PrefixChain,
+    chat_segments,
+    completion_segments,
+    prefix_chain,
+    reply_segment,
+)
 
 RequestKind = Literal["chat", "completion"]
 
@@ -27,5 +33,6 @@ class EstimateChainBuilder:
     records_on_route = True
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
-        segments = chat_segments(body) if kind == "chat" else completion_segments(body)
-        return prefix_chain(str(body.get("model", "")), segments)
+        if kind == "chat":
+            return prefix_chain(str(body.get("model", "")), chat_segments(body), reply_segment(body))
+        return prefix_chain(str(body.get("model", "")), completion_segments(body))
