@@ -1,7 +1,8 @@
 """From a canonical request body to its prefix-key chain.
 
-`EstimateChainBuilder` (the default) hashes message segments and estimates tokens at four
-bytes a token; the router records each routed chain in the index itself. Precise mode
+`EstimateChainBuilder` (the default) hashes the rendered prompt in blocks of 64 estimated
+tokens that restart at each message (`normalizer.prefix.segment_blocks`), at four bytes a
+token; the router records each routed chain in the index itself. Precise mode
 (`router/precise.py`) tokenizes with the model's own tokenizer and reproduces vLLM's block
 hashes, and its index is fed by the workers' KV events instead.
 """
@@ -16,6 +17,7 @@ from normalizer.prefix import (
     completion_segments,
     prefix_chain,
     reply_segment,
+    segment_blocks,
 )
 
 RequestKind = Literal["chat", "completion"]
@@ -33,6 +35,8 @@ class EstimateChainBuilder:
     records_on_route = True
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
+        model = str(body.get("model", ""))
         if kind == "chat":
-            return prefix_chain(str(body.get("model", "")), chat_segments(body), reply_segment(body))
-        return prefix_chain(str(body.get("model", "")), completion_segments(body))
+            blocks, reply_block = segment_blocks(chat_segments(body), reply_segment(body))
+            return prefix_chain(model, blocks, reply_block or None)
+        return prefix_chain(model, completion_segments(body))
