@@ -608,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _prepare_trace(args: argparse.Namespace, cost: Any, kv_capacity: int) -> tuple[traces.Trace, float, dict[str, Any]]:
     """The trace window to replay, its time scale, and its section of results.json."""
     start_min, minutes = traces.parse_window(args.trace_window)
-    trace = traces.load_trace(args.trace, start_min, minutes, args.trace_speed, args.api)
+    max_len = min(cost.profile.max_model_len, kv_capacity)  # what a simulated worker accepts
+    trace = traces.load_trace(args.trace, start_min, minutes, args.trace_speed, args.api, max_len)
     time_scale = auto_time_scale(trace.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
     bounds = traces.trace_bounds(trace, cost, args.workers, kv_capacity, POOL_CAPACITY_TOKENS)
     name = f"trace {Path(args.trace).name}"

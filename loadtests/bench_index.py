@@ -55,6 +55,8 @@ from cache_client.memory import MemoryIndex
 from cache_client.redis_index import RedisBackend, RedisIndex, parse_redis_url
 from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, affinity, summarize
 from loadtests.routerproc import RouterProcess
+from normalizer.prefix import chat_segments, prefix_chain
+from router.chain import EstimateChainBuilder
 
 WORKERS = [f"w{i}" for i in range(8)]
 
@@ -187,14 +189,11 @@ def _long_bodies(rng: random.Random, n: int) -> list[tuple[str, dict[str, Any], 
 
 
 def _message_chain(body: dict[str, Any]) -> list[int]:
-    from normalizer.prefix import chat_segments, prefix_chain
-
+    """One key per message: the estimate chain before issue 13."""
     return list(prefix_chain("m", chat_segments(body)).keys)
 
 
 async def bench_long_prompt(url: str, conversations: int = 20_000, prompts: int = 40, repeats: int = 25) -> dict[str, Any]:
-    from router.chain import EstimateChainBuilder
-
     rng = random.Random(43)
     population = _population(rng, conversations)
     pairs = _long_bodies(rng, prompts)

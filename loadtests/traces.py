@@ -12,7 +12,9 @@ differing from their first byte), the prompt's last block cut to `input_length`.
 request is sent as one user message (`--api chat`, as trace replayers send them) or as a
 prompt (`--api completions`), asking for exactly `output_length` tokens, at the trace's
 time since the window's start divided by `--trace-speed`. Every request of the window is
-measured; caches start cold.
+measured; caches start cold. Requests longer than the simulated model's context (prompt,
+chat template and output; the synthetic trace reaches 191k tokens, Llama-3-8B takes 128k)
+are left out of the replay and of the bounds, and counted (`requests_over_context`).
 
 What the trace allows at best (`trace_bounds`), reported beside each router's figures:
 
@@ -47,6 +49,7 @@ from loadtests.harness import _stream_one as stream_one
 from loadtests.sim.costs import CostModel
 from loadtests.sim.worker import WorkerConfig
 from loadtests.workload import MODEL
+from normalizer.prefix import render_message
 from normalizer.tokens import CHARS_PER_TOKEN
 from router.aio import cancel_and_wait
 from router.upstream import RawUpstreamClient
@@ -86,6 +89,8 @@ class Trace:
     minutes: float | None
     speed: float
     api: str
+    over_context: int = 0
+    """Requests of the window left out: longer than the model's context."""
     grace_s: float = GRACE_S
 
     @property
@@ -123,14 +128,22 @@ def parse_window(text: str | None) -> tuple[float, float | None]:
 
 
 def load_trace(
-    path: str | Path, start_min: float = 0.0, minutes: float | None = None, speed: float = 1.0, api: str = "chat"
+    path: str | Path,
+    start_min: float = 0.0,
+    minutes: float | None = None,
+    speed: float = 1.0,
+    api: str = "chat",
+    max_model_len: int | None = None,
 ) -> Trace:
-    """The requests of the window [start, start + minutes) of the trace, in time order."""
+    """The requests of the window [start, start + minutes) of the trace, in time order,
+    without those that would not fit `max_model_len` tokens as sent."""
     if speed <= 0:
         raise ValueError("--trace-speed must be positive")
     if api not in API_PATHS:
         raise ValueError(f"--api must be one of {', '.join(API_PATHS)}")
+    template = len(render_message({"role": "user", "content": ""})) // CHARS_PER_TOKEN if api == "chat" else 0
     requests: list[TraceRequest] = []
+    over = 0
     first_ms: float | None = None
     with open(path, "rb") as fh:
         for line in fh:
@@ -144,10 +157,14 @@ def load_trace(
                 continue
             if minutes is not None and offset_min >= start_min + minutes:
                 break  # the traces are in time order
+            n_in, n_out = int(row["input_length"]), int(row["output_length"])
+            if max_model_len is not None and n_in + template + n_out > max_model_len:
+                over += 1
+                continue
             sent_s = (offset_min - start_min) * 60.0 / speed
             ids = tuple(int(h) for h in row["hash_ids"])
-            requests.append(TraceRequest(len(requests), sent_s, int(row["input_length"]), int(row["output_length"]), ids))
-    return Trace(str(path), requests, start_min, minutes, speed, api)
+            requests.append(TraceRequest(len(requests), sent_s, n_in, n_out, ids))
+    return Trace(str(path), requests, start_min, minutes, speed, api, over)
 
 
 def block_text(hash_id: int) -> str:
@@ -245,6 +262,7 @@ def trace_bounds(
         "window_minutes": trace.minutes,
         "speed": trace.speed,
         "requests": len(reqs),
+        "requests_over_context": trace.over_context,
         "window_s": trace.window_s,
         "arrival_rate_per_s": len(reqs) / max(trace.window_s, 1e-9),
         "mean_input_tokens": sum(r.input_length for r in reqs) / len(reqs) if reqs else None,
@@ -286,7 +304,8 @@ def markdown_lines(results: dict[str, Any]) -> tuple[list[str], list[str]]:
         f"{results['config']['workers']} simulated workers ({results['config']['profile']}), time scale "
         f"{results['config']['time_scale']}; window {t['window_start_min']} min + "
         f"{t['window_minutes'] if t['window_minutes'] is not None else 'all'} min at speed {t['speed']}: "
-        f"{t['requests']} requests over {t['window_s']:.0f} simulated s ({t['arrival_rate_per_s']:.2f}/s), "
+        f"{t['requests']} requests over {t['window_s']:.0f} simulated s ({t['arrival_rate_per_s']:.2f}/s; "
+        f"{t['requests_over_context']} left out, longer than the model's context), "
         f"mean input {t['mean_input_tokens'] or 0:.0f} tokens, output {t['mean_output_tokens'] or 0:.0f}. "
         "All times are simulated seconds.",
         "",

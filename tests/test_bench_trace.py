@@ -71,6 +71,11 @@ def test_window_and_speed_select_and_time_the_requests(tmp_path: Path) -> None:
     assert part.output_tokens_per_s == pytest.approx(16 / 60)
     with pytest.raises(ValueError):
         load_trace(path, speed=0)
+    # Requests that would not fit the model's context are left out, and counted.
+    fits = load_trace(path, max_model_len=604, api="completions")
+    assert len(fits.requests) == 10 and fits.over_context == 0
+    chat = load_trace(path, max_model_len=604)  # the chat template adds 4 tokens
+    assert chat.requests == [] and chat.over_context == 10
 
 
 def test_each_hash_id_is_a_fixed_block_of_512_tokens() -> None:

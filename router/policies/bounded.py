@@ -47,7 +47,7 @@ def within_bounds(
 
     `homes`: the workers holding the conversation being placed; each is exempt from the
     recent cap while it is quiet (see the module docstring; `quiet_prefill_s` is one engine
-    step, `CostModel.step_s`).
+    step, `CostModel.step_s`; the default 0 exempts nobody).
     """
     n = len(loads)
     inflight_cap = load_factor * (sum(w.inflight for w in loads) + 1) / n + 1
