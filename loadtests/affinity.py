@@ -3,6 +3,8 @@
 `python -m loadtests.affinity` runs the core issue's two checks against a fresh simulated
 cluster (3 workers, 20 conversations x 4 turns, interleaved) and prints JSON: once with a
 system prompt per conversation, once with one ~6,000-character prompt shared by all.
+`run_agent` plays one conversation turn after turn, alone or beside others (issue 13: one
+agent against the router must keep its worker).
 """
 
 from __future__ import annotations
@@ -76,6 +78,33 @@ async def run_conversations(
     for client in clients:
         await client.close()
     return AffinityResult(sticky[0] / max(sticky[1], 1), dict(served), dict(reasons))
+
+
+@dataclass(frozen=True)
+class AgentTurn:
+    worker: str
+    reason: str
+    cached_tokens: int
+    """`usage.prompt_tokens_details.cached_tokens` of the answer."""
+
+
+async def run_agent(url: str, turns: int, agent: int = 0, model: str = MODEL) -> list[AgentTurn]:
+    """One conversation, each turn sent after the previous answer, through the openai SDK."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": own_system(agent)}]
+    out: list[AgentTurn] = []
+    try:
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"Agent {agent}, step {t}: " + "run the next check " * 25})
+            raw = await client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=24)
+            reply = raw.parse()
+            details = reply.usage.prompt_tokens_details if reply.usage else None
+            cached = (details.cached_tokens or 0) if details else 0
+            out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached))
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    finally:
+        await client.close()
+    return out
 
 
 def own_system(c: int) -> str:

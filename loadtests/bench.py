@@ -3,6 +3,11 @@
     kvroute bench --scenario seed --policies random,round_robin,least_loaded,cache_aware \
         [--peers sglang-router,vllm-router] [--find-capacity --slo-p99-ttft 2.0] \
         [--workers 8] [--time-scale S|auto] [--seed N] --out DIR
+    kvroute bench --trace FILE [--trace-window START,MINUTES] [--trace-speed X] \
+        [--api chat|completions] --policies ... [--peers ...] --out DIR
+
+With `--trace`, a request trace replaces the scenario (`loadtests.traces`: its requests at
+their times, the trace's ideal reuse and TTFT floor reported beside each router).
 
 For every router in turn it starts a fresh simulated cluster (so caches start cold and
 equal), the router in front of it, and plays the same workload (`loadtests.workload`)
@@ -36,7 +41,7 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtests import harness
+from loadtests import harness, traces
 from loadtests.extras import require_bench_extra
 from loadtests.harness import (
     HttpProbes,
@@ -186,7 +191,7 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
 
 
 async def run_entry(
-    entry: Entry, workload: Workload, setup: RunSetup, progress: ProgressBar | None = None
+    entry: Entry, workload: Workload | traces.Trace, setup: RunSetup, progress: ProgressBar | None = None
 ) -> tuple[dict[str, Any], RunOutcome]:
     from loadtests.sim.cluster import SimCluster
 
@@ -228,7 +233,7 @@ async def _router_metrics(router: RouterProcess | PeerRouter) -> str:
 
 async def _measure(
     entry: Entry,
-    workload: Workload,
+    workload: Workload | traces.Trace,
     setup: RunSetup,
     cluster: Any,
     router: RouterProcess | PeerRouter,
@@ -253,7 +258,8 @@ async def _measure(
         probes.start()
         queues.start()
         try:
-            outcome = await harness.drive(workload, router.url, setup.time_scale, progress=progress)
+            play = traces.drive_trace if isinstance(workload, traces.Trace) else harness.drive
+            outcome = await play(workload, router.url, setup.time_scale, progress=progress)
         finally:
             await queues.stop()
             await asyncio.to_thread(probes.stop)
@@ -505,16 +511,22 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 def write_markdown(path: Path, results: dict[str, Any]) -> None:
     routers = results["routers"]
-    lines = [
-        f"# kvroute bench: scenario `{results['scenario']['name']}`",
-        "",
-        f"{results['config']['workers']} simulated workers ({results['config']['profile']}), "
-        f"time scale {results['config']['time_scale']}, seed {results['config']['seed']}, "
-        f"arrival rate {results['scenario']['arrival_rate_per_s']:.3f} sessions/s "
-        f"(load {results['scenario']['rates']['load']} × a random balancer's prefill capacity "
-        f"{results['scenario']['rates']['capacity_sessions_per_s_random_lb']:.3f}/s). "
-        "All times are simulated seconds.",
-        "",
+    trace_rows: list[str] = []
+    if "trace" in results["scenario"]:
+        lines, trace_rows = traces.markdown_lines(results)
+    else:
+        lines = [
+            f"# kvroute bench: scenario `{results['scenario']['name']}`",
+            "",
+            f"{results['config']['workers']} simulated workers ({results['config']['profile']}), "
+            f"time scale {results['config']['time_scale']}, seed {results['config']['seed']}, "
+            f"arrival rate {results['scenario']['arrival_rate_per_s']:.3f} sessions/s "
+            f"(load {results['scenario']['rates']['load']} × a random balancer's prefill capacity "
+            f"{results['scenario']['rates']['capacity_sessions_per_s_random_lb']:.3f}/s). "
+            "All times are simulated seconds.",
+            "",
+        ]
+    lines += [
         "| router | pool | TTFT mean | p50 | p99 | ITL mean | decode tok/s | sessions done | "
         "predicted hit | worker hit | capacity/s | bottleneck |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -528,6 +540,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         )
     for key, f in results.get("failed", {}).items():
         lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 9)
+    if trace_rows:
+        lines += ["", "## Against the trace's ideal", "", *trace_rows]
     lines += ["", "## Comparison", ""]
     lines += [f"- `{k}`: {_fmt(v)}" for k, v in results["comparison"].items()]
     lines += ["", "## Harness", ""]
@@ -584,8 +598,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=None, help="override the measured window (simulated s)")
     p.add_argument("--kv-capacity-tokens", type=int, default=None, help="per-worker KV capacity (default: profile's)")
     p.add_argument("--guidellm", action="store_true", help="also run the GuideLLM recipe (random, cache_aware)")
+    p.add_argument("--trace", default=None, help="replay this request trace (JSONL) instead of the scenario")
+    p.add_argument("--trace-window", default=None, help="START,MINUTES of the trace to replay (default: all)")
+    p.add_argument("--trace-speed", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument("--api", choices=sorted(traces.API_PATHS), default="chat", help="how trace requests are sent")
     p.add_argument("--out", required=True)
     return p
+
+
+def _prepare_trace(args: argparse.Namespace, cost: Any, kv_capacity: int) -> tuple[traces.Trace, float, dict[str, Any]]:
+    """The trace window to replay, its time scale, and its section of results.json."""
+    start_min, minutes = traces.parse_window(args.trace_window)
+    max_len = min(cost.profile.max_model_len, kv_capacity)  # what a simulated worker accepts
+    trace = traces.load_trace(args.trace, start_min, minutes, args.trace_speed, args.api, max_len)
+    time_scale = auto_time_scale(trace.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
+    bounds = traces.trace_bounds(trace, cost, args.workers, kv_capacity, POOL_CAPACITY_TOKENS)
+    name = f"trace {Path(args.trace).name}"
+    return trace, time_scale, {"name": name, "description": f"{name} as {args.api}", "trace": bounds}
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
@@ -596,14 +625,17 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     scenario = SCENARIOS[args.scenario]
     cost = build_cost_model(args.profile)
     kv_capacity = args.kv_capacity_tokens or cost.default_capacity_tokens
-    rates: Rates = derive_rates(
-        scenario, args.workers, args.profile, cost, load=args.load, kv_capacity_tokens=kv_capacity
-    )
-    time_scale = auto_time_scale(rates.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
+    rates: Rates | None = None
+    workload: Workload | traces.Trace
+    if args.trace:
+        workload, time_scale, trace_info = _prepare_trace(args, cost, kv_capacity)
+    else:
+        rates = derive_rates(scenario, args.workers, args.profile, cost, load=args.load, kv_capacity_tokens=kv_capacity)
+        time_scale = auto_time_scale(rates.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
+        workload = build_workload(
+            scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
+        )
     setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs")
-    workload = build_workload(
-        scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
-    )
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
     failed: dict[str, dict[str, Any]] = {}
@@ -624,7 +656,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             records[entry.key] = outcome.records
             for r in outcome.records:
                 fh.write(orjson.dumps({"router": entry.key, **r.__dict__}).decode() + "\n")
-    if args.find_capacity:
+    if args.find_capacity and rates is not None:
         for entry in (e for e in entries if e.key in routers):
             try:
                 found = await find_capacity(
@@ -643,8 +675,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
         guide = await asyncio.to_thread(run_recipe, out / "guidellm", args.workers, time_scale, args.profile, args.seed)
     flags = {k: r["harness"]["bottleneck"]["flag"] for k, r in routers.items()}
-    results = {
-        "scenario": {
+    if isinstance(workload, traces.Trace):
+        scenario_info = trace_info
+        compared = {**comparison(routers), **traces.trace_comparison(routers, trace_info["trace"])}
+    else:
+        assert rates is not None
+        scenario_info = {
             "name": scenario.name,
             "description": scenario.description,
             "arrival_rate_per_s": rates.arrival_rate_per_s,
@@ -655,7 +691,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "prepopulate_s": workload.prepopulate_s,
             "spec": _spec_dict(scenario),
             "rates": rates.to_dict(),
-        },
+        }
+        compared = comparison(routers)
+    results = {
+        "scenario": scenario_info,
         "config": {
             "workers": args.workers,
             "profile": args.profile,
@@ -668,14 +707,14 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         },
         "routers": routers,
         "failed": failed,
-        "comparison": comparison(routers),
+        "comparison": compared,
         "bottleneck": any(flags.values()),
         "bottleneck_by_router": flags,
         "guidellm": guide,
         "plots": [],
         "wall_s": time.monotonic() - started,
     }
-    write_outputs(out, results, records, f"{args.scenario}, {args.workers} workers")
+    write_outputs(out, results, records, f"{scenario_info['name']}, {args.workers} workers")
     return results
 
 
@@ -727,6 +766,21 @@ def cli(argv: list[str]) -> int:
         parse_entries(args.policies, args.peers)
     except ValueError as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
+        return 2
+    if args.trace:
+        try:
+            traces.parse_window(args.trace_window)
+            if args.trace_speed <= 0:
+                raise ValueError("--trace-speed must be positive")
+            if not Path(args.trace).is_file():
+                raise ValueError(f"--trace {args.trace}: no such file")
+            if args.find_capacity:
+                raise ValueError("--find-capacity searches a scenario's arrival rate; use --trace-speed with --trace")
+        except ValueError as exc:
+            print(f"kvroute bench: {exc}", file=sys.stderr)
+            return 2
+    elif args.trace_window or args.api != "chat":
+        print("kvroute bench: --trace-window and --api apply to --trace", file=sys.stderr)
         return 2
     if args.time_scale != "auto":
         try:

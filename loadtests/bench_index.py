@@ -10,6 +10,11 @@ Parts (each writes its section of DIR/bench_index.json; docs/redis.md summarizes
              the pool, 20,000 conversations), same chains (next turns of known
              conversations and new ones), under uvloop like the router. Sequential lookups
              (the added median is the acceptance figure: ≤ 0.5 ms) and 32 concurrent ones.
+* long     — the same for 32k-token prompts, as the estimate chain keys them (one key per
+             64-token block, restarting at each message) beside one key per message (the
+             chain before issue 13): a single-message prompt and a 40-message conversation,
+             each looked up after its previous version was recorded on one worker and the
+             pool, in the lookup part's populated index; chain hashing timed too.
 * memory   — Redis memory per million indexed prefix blocks (one block = one key held by one
              location): INFO used_memory before and after recording 1,000,000 blocks, plus
              MEMORY USAGE of one location's structures.
@@ -52,6 +57,8 @@ from cache_client.redis_index import RedisIndex
 from loadtests.processes import stop_children_on_signals
 from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, affinity, summarize
 from loadtests.routerproc import RouterProcess
+from normalizer.prefix import chat_segments, prefix_chain
+from router.chain import EstimateChainBuilder
 
 WORKERS = [f"w{i}" for i in range(8)]
 
@@ -151,6 +158,90 @@ async def bench_lookup(url: str, conversations: int = 20_000, lookups: int = 20_
         assert (await memory.lookup(chain)).depths == (await redis_index.lookup(chain)).depths
     out["redis_stats"] = dict(redis_index.stats)
     out["acceptance_added_median_le_500us"] = out["concurrency_1"]["added_median_us"] <= 500
+    await redis_index.close()
+    return out
+
+
+# -- (a') 32k-token prompts: blocks against one key per message ---------------------------------
+def _long_bodies(rng: random.Random, n: int) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(shape, previous request, request) pairs of ~32k estimated tokens."""
+    words = ["the", "of", "contract", "party", "shall", "agree", "terms", "notice", "payment", "section", "clause", "data"]
+
+    def text(chars: int) -> str:
+        out, size = [], 0
+        while size < chars:
+            w = rng.choice(words)
+            out.append(w)
+            size += len(w) + 1
+        return " ".join(out)
+
+    pairs = []
+    for i in range(n):
+        if i % 2 == 0:  # one user message: a document, then a question (RAG, trace replay)
+            doc = text(127_000)
+            prev = {"model": "m", "messages": [{"role": "user", "content": doc + " Question: " + text(200)}]}
+            cur = {"model": "m", "messages": [{"role": "user", "content": doc + " Question: " + text(200)}]}
+            pairs.append(("one_message", prev, cur))
+        else:  # a conversation of 40 messages, ~800 tokens each
+            msgs = [{"role": ("user", "assistant")[k % 2], "content": text(3_200)} for k in range(40)]
+            prev = {"model": "m", "messages": msgs[:38]}
+            cur = {"model": "m", "messages": msgs}
+            pairs.append(("forty_messages", prev, cur))
+    return pairs
+
+
+def _message_chain(body: dict[str, Any]) -> list[int]:
+    """One key per message: the estimate chain before issue 13."""
+    return list(prefix_chain("m", chat_segments(body)).keys)
+
+
+async def bench_long_prompt(url: str, conversations: int = 20_000, prompts: int = 40, repeats: int = 25) -> dict[str, Any]:
+    rng = random.Random(43)
+    population = _population(rng, conversations)
+    pairs = _long_bodies(rng, prompts)
+    builder = EstimateChainBuilder()
+    keyings = {"blocks": lambda b: list(builder.build(b, "chat").keys), "one_key_per_message": _message_chain}
+    memory = MemoryIndex()
+    redis_index = RedisIndex(RedisBackend(parse_redis_url(url), budget_s=10.0), prefix=f"bench-{uuid.uuid4().hex[:8]}")
+    assert await redis_index.connect(), "redis did not answer"
+    await _fill(memory, population)
+    await _fill(redis_index, population)
+    out: dict[str, Any] = {"conversations": conversations, "prompts": prompts, "lookups_per_prompt": repeats}
+    for keying, keys_of in keyings.items():
+        for shape in ("one_message", "forty_messages"):
+            chosen = [(p, c) for s, p, c in pairs if s == shape]
+            chains, build_s = [], []
+            for prev, cur in chosen:
+                t0 = time.perf_counter()
+                chain = keys_of(cur)
+                build_s.append(time.perf_counter() - t0)
+                old = keys_of(prev)
+                worker = rng.choice(WORKERS)
+                for index in (memory, redis_index):
+                    await index.record(worker, old, [1] * len(old))
+                    await index.record(POOL, old, [1] * len(old))
+                chains.append(chain)
+            assert await redis_index.flush()
+            runs: dict[str, list[float]] = {"memory": [], "redis": []}
+            calls0, remote0 = redis_index.stats["lookup_calls"], redis_index.stats["remote_lookups"]
+            for _ in range(repeats):
+                for name, index in (("memory", memory), ("redis", redis_index)):
+                    runs[name] += await _time_lookups(index, chains, 1)
+            depths = [max((await memory.lookup(c)).depths.values(), default=0) for c in chains]
+            out[f"{keying}/{shape}"] = {
+                "keys": round(statistics.fmean(len(c) for c in chains), 1),
+                "mean_depth_found": round(statistics.fmean(depths), 1),
+                "chain_build": _us(build_s),
+                "memory_lookup": _us(runs["memory"]),
+                "redis_lookup": _us(runs["redis"]),
+                # Sequential lookups: each is its own EVALSHA, the whole chain in one argument.
+                "redis_calls_per_lookup": (redis_index.stats["lookup_calls"] - calls0)
+                / max(redis_index.stats["remote_lookups"] - remote0, 1),
+            }
+    for _, _, body in pairs[:4]:
+        chain = keyings["blocks"](body)
+        assert (await memory.lookup(chain)).depths == (await redis_index.lookup(chain)).depths
+    out["redis_stats"] = dict(redis_index.stats)
     await redis_index.close()
     return out
 
@@ -344,7 +435,7 @@ def _environment() -> dict[str, Any]:
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.bench_index", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--parts", default="lookup,memory,replicas,outage")
+    p.add_argument("--parts", default="lookup,long,memory,replicas,outage")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (replicas, outage)")
     p.add_argument("--time-scale", type=float, default=0.05)
     p.add_argument("--conversations", type=int, default=120)
@@ -382,6 +473,11 @@ def cli(argv: list[str]) -> int:
 
             with RedisServer() as server:
                 part("lookup", lambda: uvloop.run(bench_lookup(server.url)))  # uvloop, as the router runs
+        if "long" in parts:
+            import uvloop
+
+            with RedisServer() as server:
+                part("long", lambda: uvloop.run(bench_long_prompt(server.url)))
         if "memory" in parts:
             with RedisServer() as server:
                 part("memory", lambda: asyncio.run(bench_memory(server)))

@@ -1,9 +1,21 @@
 """Prefix keys: a hash chain over the canonical request.
 
-Key 0 covers the model and the tool schemas; key i covers key i-1 plus message i (for
-`/v1/completions`, plus the i-th fixed-size chunk of the prompt). Turn N+1 of a
-conversation resends turn N's messages and appends to them, so its chain extends turn N's
-and the longest shared run of keys says how much of the prompt a worker already holds.
+The rendered prompt is a list of segments: the model's tool schemas, then one per message
+(for `/v1/completions`, the prompt). The router's estimate chain cuts each segment into
+blocks of `BLOCK_TOKENS` estimated tokens from the segment's own start, the last one
+shorter (`segment_blocks`), and `prefix_chain` gives every block a key that hashes the key
+before it and the block's bytes: a key names everything up to the end of its block. Key 0
+covers the model and the tools (an empty segment is still one block, so key 0 is always
+the tools).
+
+Blocks, not whole messages: two prompts that share a long document or system prompt inside
+one message and differ only at its end share every full block before the difference in
+vLLM's prefix cache, and with one key per message they shared nothing for the router
+(issue 13: trace replayers and RAG send one big user message). Blocks restart at each
+segment's boundary so that turn N+1, which resends turn N's messages and appends to them,
+still has turn N's whole chain as its prefix (turn N's last, partial block included): the
+longest shared run of keys says how much of the prompt a worker already holds, to within
+one block of where two prompts diverge.
 
 The same segment rendering doubles as the simulated engine's "chat template", so the
 router's token estimates and the simulator's cache accounting agree byte for byte.
@@ -12,18 +24,21 @@ router's token estimates and the simulator's cache accounting agree byte for byt
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import orjson
 
 from normalizer.tokens import CHARS_PER_TOKEN
 
 PrefixKey = NewType("PrefixKey", int)
-"""64-bit hash identifying a whole prefix (everything up to and including one segment)."""
+"""64-bit hash identifying a whole prefix (everything up to and including one block)."""
 
-COMPLETION_CHUNK_TOKENS = 64
-COMPLETION_CHUNK_BYTES = COMPLETION_CHUNK_TOKENS * CHARS_PER_TOKEN
+BLOCK_TOKENS = 64
+"""Estimated tokens per key: a 32k-token prompt is about 512 keys (lookup cost and Redis
+memory per block measured in docs/redis.md)."""
+BLOCK_BYTES = BLOCK_TOKENS * CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +47,10 @@ class PrefixChain:
     cum_tokens: tuple[int, ...]
     """Estimated prompt tokens covered by keys[0..i] (whole tokens)."""
     total_tokens: int
+    reply_depth: int = 0
+    """Keys before the request's last assistant message: the prompt of the turn whose
+    answer that message is, so a worker holding this many keys served the conversation's
+    previous turn (0: the request carries no model output, e.g. a new session)."""
 
     def tokens_at_depth(self, depth: int) -> int:
         """Tokens covered by the first `depth` keys."""
@@ -89,35 +108,63 @@ def chat_segments(body: dict[str, Any]) -> list[bytes]:
     return segments
 
 
+def reply_segment(body: dict[str, Any]) -> int | None:
+    """Index in `chat_segments(body)` of the last assistant message, if there is one."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            return i + 1  # segment 0 is the tools
+    return None
+
+
 def completion_segments(body: dict[str, Any]) -> list[bytes]:
-    """The prompt of a completions request in fixed-size chunks (first segment empty)."""
+    """The prompt of a completions request in blocks (`BLOCK_BYTES`; first segment empty)."""
     prompt = body.get("prompt", "")
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) for t in prompt):
-            # Token ids: one id is one token; pack them so that chunk sizes still count tokens.
+            # Token ids: one id is one token; pack them so that block sizes still count tokens.
             # Masked to 32 bits: vocabularies fit, and negative ids keep their two's-complement bytes.
             data = b"".join((t & 0xFFFFFFFF).to_bytes(CHARS_PER_TOKEN, "little") for t in prompt)
         else:
             data = b"\x00".join(_text_of(p) for p in prompt)
     else:
         data = _text_of(prompt)
-    chunks = [data[i : i + COMPLETION_CHUNK_BYTES] for i in range(0, len(data), COMPLETION_CHUNK_BYTES)]
-    return [b"", *chunks]
+    return [b"", *(data[i : i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES))]
 
 
-def _digest(parent: bytes, segment: bytes) -> bytes:
-    return hashlib.blake2b(segment, digest_size=8, key=parent).digest()
+def segment_blocks(segments: list[bytes], reply_at: int | None = None) -> tuple[list[bytes], int]:
+    """Each segment cut into `BLOCK_BYTES` blocks from its own start (an empty one stays one
+    empty block), and the index of the first block of segment `reply_at` (0 if None)."""
+    blocks: list[bytes] = []
+    reply_block = 0
+    for i, segment in enumerate(segments):
+        if i == reply_at:
+            reply_block = len(blocks)
+        if len(segment) <= BLOCK_BYTES:  # most messages: one block, no copy
+            blocks.append(segment)
+        else:
+            blocks.extend(segment[start : start + BLOCK_BYTES] for start in range(0, len(segment), BLOCK_BYTES))
+    return blocks, reply_block
 
 
-def prefix_chain(model: str, segments: list[bytes]) -> PrefixChain:
-    """Hash the segments once, each chained to its predecessor."""
-    keys: list[PrefixKey] = []
+def prefix_chain(model: str, segments: list[bytes], reply_at: int | None = None) -> PrefixChain:
+    """Hash the segments once, each chained to its predecessor: one key per segment.
+
+    `reply_at`: index of the segment where the last model answer starts (`reply_segment()`).
+    """
+    digests: list[bytes] = []
     cum: list[int] = []
-    parent = hashlib.blake2b(model.encode(), digest_size=8).digest()
+    blake2b = hashlib.blake2b
+    parent = blake2b(model.encode(), digest_size=8).digest()
     total_bytes = 0
     for segment in segments:
-        parent = _digest(parent, segment)
+        parent = blake2b(segment, digest_size=8, key=parent).digest()
+        digests.append(parent)
         total_bytes += len(segment)
-        keys.append(PrefixKey(int.from_bytes(parent, "big")))
         cum.append(total_bytes // CHARS_PER_TOKEN)
-    return PrefixChain(tuple(keys), tuple(cum), total_bytes // CHARS_PER_TOKEN)
+    # One unpack for all keys: converting digest by digest cost a third of a long chain's time.
+    keys = cast("tuple[PrefixKey, ...]", struct.unpack(f">{len(digests)}Q", b"".join(digests)))
+    return PrefixChain(keys, tuple(cum), total_bytes // CHARS_PER_TOKEN, reply_at or 0)

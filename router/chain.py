@@ -1,7 +1,8 @@
 """From a canonical request body to its prefix-key chain.
 
-`EstimateChainBuilder` (the default) hashes message segments and estimates tokens at four
-bytes a token; the router records each routed chain in the index itself. Precise mode
+`EstimateChainBuilder` (the default) hashes the rendered prompt in blocks of 64 estimated
+tokens that restart at each message (`normalizer.prefix.segment_blocks`), at four bytes a
+token; the router records each routed chain in the index itself. Precise mode
 (`router/precise/`) tokenizes with the model's own tokenizer and reproduces vLLM's block
 hashes, and its index is fed by the workers' KV events instead.
 """
@@ -10,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol
 
-from normalizer.prefix import PrefixChain, chat_segments, completion_segments, prefix_chain
+from normalizer.prefix import (
+    PrefixChain,
+    chat_segments,
+    completion_segments,
+    prefix_chain,
+    reply_segment,
+    segment_blocks,
+)
 
 RequestKind = Literal["chat", "completion"]
 
@@ -27,5 +35,8 @@ class EstimateChainBuilder:
     records_on_route = True
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
-        segments = chat_segments(body) if kind == "chat" else completion_segments(body)
-        return prefix_chain(str(body.get("model", "")), segments)
+        model = str(body.get("model", ""))
+        if kind == "chat":
+            blocks, reply_block = segment_blocks(chat_segments(body), reply_segment(body))
+            return prefix_chain(model, blocks, reply_block or None)
+        return prefix_chain(model, completion_segments(body))

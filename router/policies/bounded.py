@@ -13,11 +13,22 @@ the next choice. Two loads are capped:
   when clients are sequential). Recent counts drift apart transiently as conversations
   progress at different speeds, so their cap gets twice the relative headroom (1.5x the
   mean for the default factor 1.25).
+
+A cap on recent counts is relative to the fleet's mean, so when one conversation is all the
+traffic its worker is always "over" it, idle as it is: one agent alone then moves turn
+after turn and recomputes its context each time (issue 13: 8 moves in 20 turns on 4
+workers). Bounded loads cap only load that costs latency. So the worker holding the
+conversation being placed (its *home*, named by the policy) is exempt from the recent cap
+while its queues are negligible in the policy's own units: counting this request, no more
+requests in flight than the absolute slack (an engine batches that many at almost no cost),
+less queued prefill than one engine step, and nothing waiting in the engine. Above that the
+caps apply as before, and requests that no worker holds as a conversation (new sessions
+on a hot system prompt) are spread by the recent cap at any load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from router.routing import WorkerLoad
 
@@ -26,17 +37,34 @@ DEFAULT_ABS_SLACK = 4
 
 
 def within_bounds(
-    loads: Sequence[WorkerLoad], load_factor: float = DEFAULT_LOAD_FACTOR, abs_slack: int = DEFAULT_ABS_SLACK
+    loads: Sequence[WorkerLoad],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    abs_slack: int = DEFAULT_ABS_SLACK,
+    homes: Collection[str] = (),
+    quiet_prefill_s: float = 0.0,
 ) -> list[WorkerLoad]:
-    """Workers whose load, counting the request being placed, stays under the caps."""
+    """Workers whose load, counting the request being placed, stays under the caps.
+
+    `homes`: the workers holding the conversation being placed; each is exempt from the
+    recent cap while it is quiet (see the module docstring; `quiet_prefill_s` is one engine
+    step, `CostModel.step_s`; the default 0 exempts nobody).
+    """
     n = len(loads)
     inflight_cap = load_factor * (sum(w.inflight for w in loads) + 1) / n + 1
     least_inflight = min(w.inflight for w in loads)
     recent_cap = (1 + 2 * (load_factor - 1)) * (sum(w.recent for w in loads) + 1) / n + 1
 
+    def quiet_home(w: WorkerLoad) -> bool:
+        return (
+            w.name in homes
+            and w.inflight + 1 <= abs_slack
+            and w.queued_prefill_s < quiet_prefill_s
+            and w.engine_waiting == 0
+        )
+
     def over(w: WorkerLoad) -> bool:
         busy = w.inflight + 1 > inflight_cap and w.inflight + 1 - least_inflight > abs_slack
-        return busy or w.recent + 1 > recent_cap
+        return busy or (w.recent + 1 > recent_cap and not quiet_home(w))
 
     eligible = [w for w in loads if not over(w)]
     # The least-loaded worker is always under the mean, so this only trips on float edge cases.

@@ -17,6 +17,11 @@ conversation's own turns still follow its longer cached prefix. A conversation l
 worker holding most of its prefix only for a predicted gain of more than one engine step
 (`CostModel.step_s`): smaller differences are noise in the router's view of the queues, and
 moving duplicates the conversation's KV on a second worker.
+
+A conversation's home is a worker holding the prompt of its previous turn (the chain's
+`reply_depth`): while that worker's queues are negligible the recent-count cap does not
+move the conversation (`bounded.within_bounds`), however much of the recent traffic is the
+conversation's own. New sessions on a hot prefix have no home and are spread as before.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class CacheAwarePolicy:
         chain = request.chain
         total = chain.total_tokens
         pool = chain.tokens_at_depth(view.depth(POOL))
-        eligible = {w.name for w in within_bounds(loads, self._load_factor)}
+        homes = {w.name for w in loads if chain.reply_depth and view.depth(w.name) >= chain.reply_depth}
+        eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
         most_cached = max(gpu_of.values())

@@ -3,6 +3,10 @@
 The session id is the `x-session-id` header, else the body's `user`. Requests without one
 hash their first prefix key (model, tools and system prompt), which is the best stand-in
 for a conversation the router has without an index.
+
+With a session id, its ring home holds the conversation: the recent-count cap does not
+move it off that worker while the worker's queues are negligible (`bounded.within_bounds`).
+Without one, every request of a group hashes alike and is spread by the caps as before.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ class SessionPolicy:
     ) -> RouteDecision:
         key = request.session_key or (str(request.chain.keys[0]) if request.chain.keys else "")
         ring, points = self._ring_of(tuple(sorted(w.name for w in loads)))
-        eligible = {w.name for w in within_bounds(loads, self._load_factor)}
         start = bisect.bisect(points, _hash(key))
         order: list[str] = []
         for i in range(len(ring)):
@@ -54,6 +57,8 @@ class SessionPolicy:
             if name not in order:
                 order.append(name)
         home = order[0]
+        homes = (home,) if request.session_key else ()
+        eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
         chosen = next(n for n in order if n in eligible)
         reason = "session" if chosen == home else "overload"
         return RouteDecision(chosen, reason, ranking=tuple(n for n in order if n != chosen))

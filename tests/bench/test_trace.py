@@ -1,0 +1,191 @@
+"""`kvroute bench --trace`: request traces replayed through routers, beside the trace's ideal.
+
+Unit tests on tiny traces built here, one replay end to end through two routers (a few
+dozen lines), and reads of the real shared Mooncake traces when `../shared/traces` (or
+`$KVROUTE_SHARED_DIR/traces`) is there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests.bench import cli
+from loadtests.sim.costs import build_cost_model
+from loadtests.traces import (
+    TRACE_BLOCK_BYTES,
+    TraceRequest,
+    block_text,
+    ideal_reuse,
+    ideal_ttft_floor,
+    ideal_ttft_s,
+    load_trace,
+    parse_window,
+    prompt_text,
+    shared_dir,
+)
+from normalizer.prefix import chat_segments
+from router.chain import EstimateChainBuilder
+
+COST = build_cost_model()
+
+
+def _write(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
+    with path.open("w") as fh:
+        for ts, n_in, n_out, ids in rows:
+            fh.write(json.dumps({"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": ids}) + "\n")
+    return path
+
+
+def _conversations(n: int = 36) -> list[tuple[int, int, int, list[int]]]:
+    """Six conversations of six turns, interleaved every 250 ms: each turn resends the
+    previous prompt's blocks and adds one; all share block 0 (a system prompt)."""
+    rows, next_id = [], 1
+    history: dict[int, list[int]] = {}
+    for i in range(n):
+        conv = i % 6
+        ids = [*history.get(conv, [0]), next_id]
+        next_id += 1
+        history[conv] = ids
+        rows.append((i * 250, 512 * len(ids) - 100, 8, ids))
+    return rows
+
+
+def test_window_and_speed_select_and_time_the_requests(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.jsonl", [(1000 + 30_000 * i, 600, 4, [i, i + 100]) for i in range(10)])
+    assert parse_window(None) == (0.0, None)
+    assert parse_window("1.5,2") == (1.5, 2.0)
+    with pytest.raises(ValueError):
+        parse_window("1,0")
+    whole = load_trace(path)
+    assert [r.sent_s for r in whole.requests] == [30.0 * i for i in range(10)]
+    assert whole.window_s == 270.0
+    part = load_trace(path, 1.0, 2.0, speed=2.0, api="completions")
+    assert [r.index for r in part.requests] == [0, 1, 2, 3]  # minutes 1.0, 1.5, 2.0, 2.5
+    assert [r.sent_s for r in part.requests] == [0.0, 15.0, 30.0, 45.0]
+    assert part.window_s == 60.0
+    assert part.output_tokens_per_s == pytest.approx(16 / 60)
+    with pytest.raises(ValueError):
+        load_trace(path, speed=0)
+    # Requests that would not fit the model's context are left out, and counted.
+    fits = load_trace(path, max_model_len=604, api="completions")
+    assert len(fits.requests) == 10 and fits.over_context == 0
+    chat = load_trace(path, max_model_len=604)  # the chat template adds 4 tokens
+    assert chat.requests == [] and chat.over_context == 10
+
+
+def test_each_hash_id_is_a_fixed_block_of_512_tokens() -> None:
+    assert block_text(7) == block_text(7)
+    assert len(block_text(7).encode()) == TRACE_BLOCK_BYTES == 2048
+    assert block_text(7)[0] != block_text(8)[0] or block_text(7)[:4] != block_text(8)[:4]
+    text = prompt_text([3, 4, 5], 1300)
+    assert len(text) == 1300 * 4
+    assert text.startswith(block_text(3) + block_text(4))
+
+
+def test_shared_hash_ids_are_shared_blocks_for_the_router() -> None:
+    """Issue 13's two parts together: a trace replayed as one user message shares, in the
+    router's chain, every block its hash ids share (the chain is block-granular)."""
+    build = EstimateChainBuilder()
+
+    def chain(ids: list[int]):
+        body = {"model": "m", "messages": [{"role": "user", "content": prompt_text(ids, 512 * len(ids))}]}
+        return build.build(body, "chat"), body
+
+    (a, body), (b, _) = chain([1, 2, 3, 4]), chain([1, 2, 3, 9])
+    shared = next(i for i, (x, y) in enumerate(zip(a.keys, b.keys, strict=True)) if x != y)
+    assert a.tokens_at_depth(shared) >= 3 * 512 - 64  # three trace blocks, to within one key
+    assert a.total_tokens == len(b"".join(chat_segments(body))) // 4 == 4 * 512 + 4  # + the template
+
+
+def test_ideal_reuse_counts_leading_blocks_seen_before() -> None:
+    reqs = [
+        TraceRequest(0, 0.0, 1024, 1, (1, 2)),
+        TraceRequest(1, 1.0, 1500, 1, (1, 2, 3)),
+        TraceRequest(2, 2.0, 1024, 1, (4, 2)),  # block 2 after a new block is not a prefix
+    ]
+    assert ideal_reuse(reqs) == {"blocks": pytest.approx(2 / 7), "tokens": pytest.approx(1024 / 3548)}
+    # A capacity of one block keeps only the last block seen: nothing is reused.
+    assert ideal_reuse(reqs, capacity_tokens=512)["blocks"] == 0.0
+    assert ideal_reuse(reqs, capacity_tokens=10 * 512) == ideal_reuse(reqs)
+
+
+def test_ideal_ttft_floor_prices_only_new_blocks_on_an_idle_worker() -> None:
+    cold = ideal_ttft_s(0, 20_000, COST, 8192)
+    assert cold == pytest.approx(sum(COST.step_s([(s, min(s + 8192, 20_000))], []) for s in (0, 8192, 16_384)))
+    warm = ideal_ttft_s(19_456, 20_000, COST, 8192)
+    assert warm == pytest.approx(COST.step_s([(19_456, 20_000)], [])) and warm < cold / 10
+    # Everything cached: vLLM still computes the last block.
+    assert ideal_ttft_s(1024, 1024, COST, 8192) == pytest.approx(COST.step_s([(1008, 1024)], []))
+    floor = ideal_ttft_floor([TraceRequest(0, 0, 20_000, 1, tuple(range(40))), TraceRequest(1, 1, 20_000, 1, tuple(range(40)))], COST, 8192)
+    assert floor["mean_s"] == pytest.approx((cold + ideal_ttft_s(20_000, 20_000, COST, 8192)) / 2)
+
+
+def test_trace_mode_refuses_what_does_not_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path / "t.jsonl", _conversations(6))
+    out = str(tmp_path / "out")
+    assert cli(["--trace", str(path), "--find-capacity", "--out", out]) == 2
+    assert cli(["--trace", str(tmp_path / "missing.jsonl"), "--out", out]) == 2
+    assert cli(["--trace", str(path), "--trace-speed", "0", "--out", out]) == 2
+    assert cli(["--api", "completions", "--out", out]) == 2
+    assert "apply to --trace" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_small_trace_replays_through_every_router(tmp_path: Path, api: str) -> None:
+    path = _write(tmp_path / "conv.jsonl", _conversations())
+    out = tmp_path / "out"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli(["--trace", str(path), "--api", api, "--policies", "random,cache_aware", "--workers", "2",
+                    "--time-scale", "0.3", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    trace = results["scenario"]["trace"]
+    assert trace["requests"] == 36 and trace["api"] == api
+    expected = ideal_reuse(load_trace(path).requests)
+    assert trace["ideal_reuse"] == pytest.approx(expected)
+    assert trace["ideal_ttft_floor"]["mean_s"] > 0
+    routers = results["routers"]
+    for key in ("random", "cache_aware"):
+        r = routers[key]
+        assert r["requests_measured"] == 36 and r["requests_failed"] == 0, r
+        assert r["ttft_mean_s"] >= trace["ideal_ttft_floor"]["mean_s"] * 0.9
+        c = results["comparison"]
+        assert c[f"{key}_worker_hit_minus_ideal_reuse"] is not None
+        assert c[f"{key}_ttft_mean_over_ideal_floor"] == pytest.approx(r["ttft_mean_s"] / trace["ideal_ttft_floor"]["mean_s"])
+    # Every turn resends its conversation: the cache-aware router finds nearly all of it.
+    ca = routers["cache_aware"]
+    assert ca["worker_hit_ratio"] >= trace["ideal_reuse_fleet_kv_and_pool"]["tokens"] - 0.1, ca
+    assert ca["worker_hit_ratio"] > routers["random"]["worker_hit_ratio"]
+    assert abs(ca["predicted_hit_ratio"] - ca["worker_hit_ratio"]) < 0.05, ca
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 72 and {json.loads(line)["kind"] for line in lines} == {"trace"}
+    md = (out / "results.md").read_text()
+    assert "Against the trace's ideal" in md and "Ideal reuse" in md
+    assert json.loads(buf.getvalue().strip().splitlines()[-1])["scenario"] == "trace conv.jsonl"
+
+
+def _shared_trace(name: str) -> Path:
+    path = shared_dir() / "traces" / name
+    # CI and every checkout beside ../shared have the traces: their absence is a failure, not a skip.
+    assert path.is_file(), f"no shared trace at {path} (set KVROUTE_SHARED_DIR to the shared directory)"
+    return path
+
+
+def test_the_real_traces_first_lines_load() -> None:
+    for name in ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"):
+        trace = load_trace(_shared_trace(name), 0.0, 0.5)
+        assert 10 < len(trace.requests) < 1000
+        for r in trace.requests[:50]:
+            assert (len(r.hash_ids) - 1) * 512 < r.input_length <= len(r.hash_ids) * 512
+            assert len(prompt_text(r.hash_ids, r.input_length)) == 4 * r.input_length
+        assert [r.sent_s for r in trace.requests] == sorted(r.sent_s for r in trace.requests)
+    # The shared README's figure: the synthetic trace's first 12 minutes reuse 0.45 of their blocks.
+    first12 = load_trace(_shared_trace("mooncake_synthetic_trace.jsonl"), 0.0, 12.0)
+    assert ideal_reuse(first12.requests)["blocks"] == pytest.approx(0.45, abs=0.01)
