@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from router.upstream import RawUpstreamClient
 
 from loadtests.harness import LoopLag, Progress, RequestRecord, RunOutcome, percentile
 from loadtests.harness import _stream_one as stream_one
@@ -53,6 +52,7 @@ from loadtests.workload import MODEL
 from normalizer.prefix import render_message
 from normalizer.tokens import CHARS_PER_TOKEN
 from router.aio import cancel_and_wait
+from router.proxy.upstream import RawUpstreamClient
 
 TRACE_BLOCK_TOKENS = 512
 TRACE_BLOCK_BYTES = TRACE_BLOCK_TOKENS * CHARS_PER_TOKEN
