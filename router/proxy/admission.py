@@ -20,11 +20,16 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.errors import RouterError
 
 
 class Admission:
+    limits_inflight: ClassVar[bool] = True
+    """False for `NoAdmission`: the handler then skips `has_room` and `released` (calls
+    that could only say yes and do nothing, a few per request on the hot path)."""
+
     def __init__(
         self, per_worker: int, queue_size: int = 1024, queue_timeout_s: float = 10.0, retry_after_s: int = 1
     ) -> None:
@@ -133,6 +138,8 @@ class Admission:
 
 class NoAdmission(Admission):
     """No in-flight limits: there is always room, nobody ever queues, nothing to hand over."""
+
+    limits_inflight: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__(per_worker=0, queue_size=0, queue_timeout_s=0.0)

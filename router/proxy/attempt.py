@@ -20,10 +20,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from router.breaker import CLOSED
-from router.proxy.deadlines import Flight
 from router.proxy.exchange import Exchange
 from router.proxy.relay import relay_stream, response_headers, send_whole
-from router.proxy.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
+from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError, UpstreamResponse
 from router.workers import Worker
 
 if TYPE_CHECKING:
@@ -84,8 +83,10 @@ class Attempt:
 
     def release(self) -> None:
         """The try is over, whatever its outcome: its ticket and its slot go back."""
-        self.proxy.loads.release(self.ticket)
-        self.proxy.admission.released()
+        proxy = self.proxy
+        proxy.loads.release(self.ticket)
+        if proxy.admission.limits_inflight:
+            proxy.admission.released()
 
     # -- forwarding ---------------------------------------------------------------------
     async def run(self, ex: Exchange) -> None:
@@ -97,10 +98,27 @@ class Attempt:
         sent_at = loop.time()
         flight = deadlines.track(s.first_byte_timeout_s if ex.stream else (s.total_timeout_s or s.first_byte_timeout_s), s.total_timeout_s)
         try:
-            first = await self._send(ex, flight)
-            upstream: UpstreamResponse = self.upstream  # type: ignore[assignment]
-            status = upstream.status
-            relay = ex.stream and status == 200
+            # POST the payload and wait for the first body chunk of a stream, else the whole
+            # body: here, not in a coroutine of its own, because every frame between the task
+            # and the upstream read is re-entered at each wake-up.
+            try:
+                upstream = self.upstream = await proxy.client.post(self.worker.url, ex.scope["path"], self._headers(ex), ex.payload)
+                status = upstream.status
+                if status in _RETRYABLE_STATUS:
+                    await upstream.read()
+                    raise AttemptFailed(f"worker answered {status}", passive_down=False)
+                chunks = self.chunks = upstream.chunks()
+                relay = ex.stream and status == 200
+                first = await anext(chunks, b"") if relay else await upstream.read()
+            except asyncio.CancelledError:
+                if flight.expired is None:
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                raise AttemptFailed("no first byte before the timeout", passive_down=False) from None
+            except UpstreamConnectError as exc:
+                raise AttemptFailed(str(exc), passive_down=True) from None
+            except UpstreamError as exc:
+                raise AttemptFailed(str(exc), passive_down=False) from None
             # No await since the first byte arrived, so the deadline sweeper cannot have fired
             # in between: move the deadline on (stream) or drop it (whole answer in hand) now,
             # before the sends below can be cancelled by a first-byte deadline that passed.
@@ -118,34 +136,15 @@ class Attempt:
                 ex.finished = True
                 await send_whole(ex.send, status, headers, first)
                 return
-            await relay_stream(ex, self, headers, first, self.chunks, flight)  # type: ignore[arg-type]
+            await relay_stream(ex, self, headers, first, chunks, flight)
         finally:
             deadlines.done(flight)
             if self.upstream is not None:
                 await self.upstream.aclose()
 
-    async def _send(self, ex: Exchange, flight: Flight) -> bytes:
-        """POST the payload; the first body chunk of a stream, else the whole body."""
-        proxy = self.proxy
-        worker = self.worker
-        headers = ex.headers
-        if worker.api_key and not proxy.settings.forward_client_auth:
-            headers = [*headers, (b"authorization", b"Bearer " + worker.api_key.encode())]
-        try:
-            upstream = self.upstream = await proxy.client.post(worker.url, ex.scope["path"], headers, ex.payload)
-            if upstream.status in _RETRYABLE_STATUS:
-                await upstream.read()
-                raise AttemptFailed(f"worker answered {upstream.status}", passive_down=False)
-            chunks = self.chunks = upstream.chunks()
-            if ex.stream and upstream.status == 200:
-                return await anext(chunks, b"")
-            return await upstream.read()
-        except asyncio.CancelledError:
-            if flight.expired is None:
-                raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            raise AttemptFailed("no first byte before the timeout", passive_down=False) from None
-        except UpstreamConnectError as exc:
-            raise AttemptFailed(str(exc), passive_down=True) from None
-        except UpstreamError as exc:
-            raise AttemptFailed(str(exc), passive_down=False) from None
+    def _headers(self, ex: Exchange) -> Headers:
+        """The request's headers for this worker: with its own credential, if it has one."""
+        api_key = self.worker.api_key
+        if api_key and not self.proxy.settings.forward_client_auth:
+            return [*ex.headers, (b"authorization", b"Bearer " + api_key.encode())]
+        return ex.headers

@@ -49,6 +49,9 @@ log = logging.getLogger("kvroute.proxy")
 
 _EMBEDDINGS_POLICY = LeastLoadedPolicy()
 _EMPTY_CHAIN = PrefixChain((), (), 0)
+# Builds a Routed from a plain tuple, skipping the NamedTuple's Python-level __new__ (one
+# per request; as for CandidateScore in router/policies/cache_aware.py).
+_new_routed = tuple.__new__
 
 _Outcome = Literal["answered", "full", "exhausted"]
 """How one pass over a ranking ended: a worker answered; every worker left was at its
@@ -197,7 +200,7 @@ class Proxy:
             decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
         else:
             decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
-        return Routed(decision, chain, view, loads)
+        return _new_routed(Routed, (decision, chain, view, loads))
 
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:
@@ -241,7 +244,9 @@ class Proxy:
     async def _try_ranking(self, ex: Exchange, choice: Routed) -> _Outcome:
         """Offer the request to the ranked workers in order, one attempt each, until one answers."""
         decision = choice.decision
+        chain = choice.chain
         admission = self.admission
+        limits_inflight = admission.limits_inflight
         max_attempts = self.settings.max_attempts
         full = False
         for name in (decision.worker, *decision.ranking):
@@ -254,7 +259,7 @@ class Proxy:
             worker = self.fleet.get(name)
             if worker is None or name in ex.tried or not worker.serving:
                 continue
-            if not admission.has_room(self.loads.inflight(name)):
+            if limits_inflight and not admission.has_room(self.loads.inflight(name)):
                 full = True
                 continue
             if not worker.breaker.begin():
@@ -263,37 +268,37 @@ class Proxy:
                 attempt = Attempt(self, worker, decision.reason, decision.prefill_s)
             else:
                 reason = "retry" if ex.attempts else "overload"
-                attempt = Attempt(self, worker, reason, self.cost.prefill_s(0, choice.chain.total_tokens))
+                attempt = Attempt(self, worker, reason, self.cost.prefill_s(0, chain.total_tokens))
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
             ex.attempts += 1
             ex.tried.add(name)
-            if await self._attempt(ex, attempt, choice.chain):
+            # One try on one worker, inline rather than a coroutine of its own: every frame
+            # between the task and the upstream read is re-entered on each chunk relayed.
+            try:
+                if self.chains.records_on_route and chain.keys:
+                    await self._record(name, chain)
+                await attempt.run(ex)
                 return "answered"
+            except AttemptFailed as exc:
+                await self._attempt_failed(ex, attempt, exc)
+            except BaseException:
+                attempt.abandon()
+                raise
+            finally:
+                attempt.release()
         return "full" if full else "exhausted"
 
-    async def _attempt(self, ex: Exchange, attempt: Attempt, chain: PrefixChain) -> bool:
-        """One try on one worker: True if it answered, False if the next worker may try."""
-        try:
-            if self.chains.records_on_route and chain.keys:
-                await self._record(attempt.worker.name, chain)
-            await attempt.run(ex)
-            return True
-        except AttemptFailed as exc:
-            ex.last_error = exc.why
-            await attempt.failed(exc.why, exc.passive_down)
-            retrying = ex.attempts < self.settings.max_attempts
-            if retrying:
-                self.metrics.retries.inc()
-            log.warning("worker %s failed before the first byte (%s); %s", attempt.worker.name, exc.why,
-                        "retrying" if retrying else "giving up")
-            return False
-        except BaseException:
-            attempt.abandon()
-            raise
-        finally:
-            attempt.release()
+    async def _attempt_failed(self, ex: Exchange, attempt: Attempt, exc: AttemptFailed) -> None:
+        """The worker failed before its first byte: count it; the next worker may try."""
+        ex.last_error = exc.why
+        await attempt.failed(exc.why, exc.passive_down)
+        retrying = ex.attempts < self.settings.max_attempts
+        if retrying:
+            self.metrics.retries.inc()
+        log.warning("worker %s failed before the first byte (%s); %s", attempt.worker.name, exc.why,
+                    "retrying" if retrying else "giving up")
 
     def _room_anywhere(self) -> bool:
         """Some serving worker has a free slot (that this request could not use)."""
