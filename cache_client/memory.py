@@ -50,7 +50,7 @@ class MemoryIndex:
             holders = self._holders.get(key, _NOBODY)
             if alive is None:
                 alive = set(holders)
-            else:
+            elif not holders >= alive:  # usual case: the same holders, no sets built per key
                 for name in alive - holders:
                     depths[name] = i
                 alive &= holders
