@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol
 
+from normalizer import anthropic, responses
 from normalizer.prefix import (
     PrefixChain,
     chat_segments,
@@ -20,7 +21,18 @@ from normalizer.prefix import (
     segment_blocks,
 )
 
-RequestKind = Literal["chat", "completion"]
+RequestKind = Literal["chat", "completion", "responses", "messages"]
+"""What a proxied request's prompt is: a chat request, a completions prompt, an OpenAI
+Responses request or an Anthropic Messages request (the last two read as the chat request
+vLLM renders them as, `chat_form`)."""
+
+_AS_CHAT = {"responses": responses.as_chat, "messages": anthropic.as_chat}
+
+
+def chat_form(body: dict[str, Any], kind: RequestKind) -> dict[str, Any]:
+    """The chat request whose rendering is the prompt of `body` (completions: none, the body)."""
+    as_chat = _AS_CHAT.get(kind)
+    return body if as_chat is None else as_chat(body)
 
 
 class ChainBuilder(Protocol):
@@ -36,7 +48,8 @@ class EstimateChainBuilder:
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
         model = str(body.get("model", ""))
-        if kind == "chat":
+        if kind != "completion":
+            body = chat_form(body, kind)
             blocks, reply_block = segment_blocks(chat_segments(body), reply_segment(body))
             return prefix_chain(model, blocks, reply_block or None)
         return prefix_chain(model, completion_segments(body))

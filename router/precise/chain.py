@@ -8,7 +8,7 @@ from typing import Any
 
 from normalizer.prefix import PrefixChain, PrefixKey
 from normalizer.vllm_hash import BlockHasher
-from router.chain import ChainBuilder, EstimateChainBuilder, RequestKind
+from router.chain import ChainBuilder, EstimateChainBuilder, RequestKind, chat_form
 from router.precise.tokenizer import ModelTokenizer, UnsupportedRequest
 
 log = logging.getLogger("kvroute.precise")
@@ -38,7 +38,9 @@ class PreciseChainBuilder:
         self.fallbacks = 0
 
     def tokens(self, body: Mapping[str, Any], kind: RequestKind) -> list[int]:
-        return self.tokenizer.chat_tokens(body) if kind == "chat" else self.tokenizer.completion_tokens(body)
+        if kind == "completion":
+            return self.tokenizer.completion_tokens(body)
+        return self.tokenizer.chat_tokens(chat_form(dict(body), kind))
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
         hasher = self.hasher

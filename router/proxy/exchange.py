@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from normalizer.anthropic import canonicalize_messages_body
 from normalizer.canonical import canonicalize_body
+from normalizer.responses import canonicalize_responses_body
 from router.chain import RequestKind
 from router.errors import RouterError
 from router.proxy.settings import PROXIED_PATHS, ProxySettings
@@ -100,7 +102,12 @@ class Exchange:
 def canonical(body: dict[str, Any], kind: RequestKind | None, normalize: NormalizeOptions) -> dict[str, Any]:
     """The body as it is routed and forwarded: generation requests canonicalized (so that
     equal prompts hash and cache alike), embeddings as sent."""
-    return body if kind is None else canonicalize_body(body, normalize)
+    if kind is None:
+        return body
+    return _CANONICALIZE.get(kind, canonicalize_body)(body, normalize)
+
+
+_CANONICALIZE = {"responses": canonicalize_responses_body, "messages": canonicalize_messages_body}
 
 
 def _upstream_headers(scope: dict, forward_client_auth: bool) -> Headers:
