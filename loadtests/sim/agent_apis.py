@@ -118,9 +118,15 @@ def messages_chat(body: dict[str, Any]) -> dict[str, Any]:
 def response_usage(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # cache_write_tokens: vLLM reports what a KV connector reports writing; 0 without one.
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens, "cache_write_tokens": 0,
+            "input_tokens_per_turn": [], "cached_tokens_per_turn": [],
+        },
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [], "tool_output_tokens_per_turn": [],
+        },
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
