@@ -184,6 +184,27 @@ def test_response_tool_call_stream_events(url: str) -> None:
     assert events[-1][1]["response"]["output"][0]["arguments"] == args
 
 
+def test_agent_loop_feeding_output_items_back_runs_and_ends(url: str) -> None:
+    """An agent as the Agents SDK runs one: each response's output items go back into the
+    next request's input (`to_input_list()`); every user turn is a tool call, then text."""
+    items: list[dict[str, Any]] = []
+    for turn in range(5):
+        items.append({"role": "user", "content": f"turn {turn}: what is the weather?"})
+        kinds = []
+        for _ in range(3):
+            r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "instructions": SYSTEM, "input": items, "tools": TOOLS})
+            assert r.status_code == 200, r.text
+            output = r.json()["output"]
+            items.extend(output)
+            kinds.append(output[0]["type"])
+            if output[0]["type"] != "function_call":
+                break
+            call = output[0]
+            items.append({"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"})
+        assert kinds == ["function_call", "message"]
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
 def test_openai_sdk_responses(url: str) -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="sim", max_retries=0)
     first = client.responses.create(model=MODEL, instructions=SYSTEM, input="sdk question " * 10)
