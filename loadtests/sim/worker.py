@@ -8,8 +8,9 @@ Tokenization is the shared estimate, applied to the request exactly as received 
 canonicalization: the simulator shows what a real engine would see): the prompt is
 `b"".join(chat_segments(body))` (or `completion_segments`), one token per 4 bytes.
 
-Besides the OpenAI endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) it
-serves `/health`, `/metrics` (vLLM metric names, simulated seconds), the probes other
+Besides the OpenAI endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`),
+vLLM's agent APIs (`/v1/responses` with a per-worker store, `/v1/messages`,
+`/v1/messages/count_tokens`; see agent_apis.py) and rerank / score, it serves `/health`, `/metrics` (vLLM metric names, simulated seconds), the probes other
 routers make (`/server_info`, `/model_info`, `/get_load`, `/tokenize`, `/detokenize`,
 `/v1/chat/completions/render`, `/kv_event_sources`, `/version`) and test hooks
 (`GET /sim/state`, `POST /sim/fault`, `POST /reset_prefix_cache`).
@@ -116,6 +117,10 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
             raise shapes.RequestError(400, f"{name} must be a positive integer, got {value!r}", param=name)
         return value
     return None
+
+
+def _is_function_tool(tool: Any) -> bool:
+    return isinstance(tool, dict) and isinstance(tool.get("function"), dict) and isinstance(tool["function"].get("name"), str)
 
 
 class SimWorker:
@@ -299,16 +304,16 @@ class SimWorker:
             messages = body.get("messages") or [{}]
             if not isinstance(messages[-1], dict) or messages[-1].get("role") != "user":
                 return None
-            return next((t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)), None)
+            return next((t for t in tools if _is_function_tool(t)), None)
         if choice == "required":
             tool = tools[0]
-            if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
-                raise shapes.RequestError(400, "tools[0] is not a function tool", param="tools")
+            if not _is_function_tool(tool):
+                raise shapes.RequestError(400, "tools[0] is not a function tool with a name", param="tools")
             return tool
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
             for tool in tools:
-                if isinstance(tool, dict) and (tool.get("function") or {}).get("name") == name:
+                if _is_function_tool(tool) and tool["function"]["name"] == name:
                     return tool
             raise shapes.RequestError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
         return None

@@ -345,3 +345,26 @@ def test_agent_requests_count_in_metrics_and_state(url: str) -> None:
     assert after["requests_total"] == before["requests_total"] + 2
     assert after["finished"] == before["finished"] + 2
     assert after["prefix_queries_tokens"] >= before["prefix_queries_tokens"] + out["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "hi there", "tools": [{"type": "function"}], "tool_choice": "required"},
+        {"input": "hi there", "tools": [{"type": "function", "name": "a"}], "tool_choice": {"type": "function", "name": "b"}},
+        {"input": "hi there", "background": True},
+        {"input": ""},
+        {"input": {"a": 1}},
+        {"input": "hi there", "max_output_tokens": 0},
+    ],
+)
+def test_bad_responses_bodies_are_400_in_openai_shape(url: str, body: dict[str, Any]) -> None:
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_nameless_function_tool_is_not_called_on_auto(url: str) -> None:
+    body = {"model": MODEL, "input": "hi there", "tools": [{"type": "function"}, TOOLS[0]]}
+    out = httpx.post(f"{url}/v1/responses", json=body).json()
+    assert out["output"][0]["name"] == "get_weather"
