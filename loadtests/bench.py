@@ -205,6 +205,9 @@ async def run_entry(
         # An HTTP round trip per request from the simulator to itself costs its loop a
         # seventh of its CPU in `seed` and simulates nothing.
         pool_in_process=True,
+        # The workload replays scripted replies and sizes each turn's output with max_tokens:
+        # a simulated tool call on "auto" would cut generations short of the trace's lengths.
+        extra_args=["--auto-tool-calls", "text"],
     )
     await asyncio.to_thread(cluster.start)
     router: RouterProcess | PeerRouter

@@ -8,8 +8,9 @@ Tokenization is the shared estimate, applied to the request exactly as received 
 canonicalization: the simulator shows what a real engine would see): the prompt is
 `b"".join(chat_segments(body))` (or `completion_segments`), one token per 4 bytes.
 
-Besides the OpenAI endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) it
-serves `/health`, `/metrics` (vLLM metric names, simulated seconds), the probes other
+Besides the OpenAI endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`),
+vLLM's agent APIs (`/v1/responses` with a per-worker store, `/v1/messages`,
+`/v1/messages/count_tokens`; see agent_apis.py) and rerank / score, it serves `/health`, `/metrics` (vLLM metric names, simulated seconds), the probes other
 routers make (`/server_info`, `/model_info`, `/get_load`, `/tokenize`, `/detokenize`,
 `/v1/chat/completions/render`, `/kv_event_sources`, `/version`) and test hooks
 (`GET /sim/state`, `POST /sim/fault`, `POST /reset_prefix_cache`).
@@ -31,6 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from loadtests.sim import agent_apis as agent
+from loadtests.sim import agent_serving as serving
 from loadtests.sim import openai_shapes as shapes
 from loadtests.sim.asgi import Send, WatchedResponse, send_chunk, send_json, start_sse
 from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, CostModel, build_cost_model
@@ -70,6 +73,8 @@ class WorkerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     get_load_format: str = "sglang"
+    # tool_choice "auto": "call" the first tool after a user turn (agent loops), or answer "text".
+    auto_tool_calls: str = "call"
 
 
 @dataclass
@@ -84,7 +89,7 @@ class Job:
     """One parsed inference request."""
 
     rid: str
-    kind: str  # "chat" or "completion"
+    kind: str  # "chat" or "completion": how the engine renders the prompt
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -97,6 +102,10 @@ class Job:
     tool_call_id: str = ""
     handle: Handle | None = None
     created: int = field(default_factory=shapes.now_s)
+    api: str = "chat"  # the endpoint's output shape: chat, completion, responses, messages
+    request: dict[str, Any] = field(default_factory=dict)  # the body as received (Responses echo it)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the chat messages rendered
+    item_id: str = ""  # the Responses output item / Messages id
 
 
 def _int_field(body: dict[str, Any], *names: str) -> int | None:
@@ -108,6 +117,10 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
             raise shapes.RequestError(400, f"{name} must be a positive integer, got {value!r}", param=name)
         return value
     return None
+
+
+def _is_function_tool(tool: Any) -> bool:
+    return isinstance(tool, dict) and isinstance(tool.get("function"), dict) and isinstance(tool["function"].get("name"), str)
 
 
 class SimWorker:
@@ -144,6 +157,7 @@ class SimWorker:
             on_pool_store=self._store_to_pool if self.pool else None,
         )
         self.fault = Fault()
+        self.store = agent.ResponseStore()
         self.requests_total = 0
         self.rejected_total = 0
         self.app = self._build_app()
@@ -200,6 +214,12 @@ class SimWorker:
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise shapes.RequestError(404, f"The model `{model}` does not exist.", param="model")
+        api, request = kind, body
+        if api == "responses":
+            body = agent.responses_chat(body, self.store)
+        elif api == "messages":
+            body = agent.messages_chat(body)
+        kind = "completion" if api == "completion" else "chat"
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -250,7 +270,12 @@ class SimWorker:
                 f"{out_tokens} in the completion). Please reduce the length of the messages or completion.",
             )
         rid = request_id or uuid.uuid4().hex
+        item_prefix = {"responses": "fc_" if tool is not None else "msg_", "messages": "msg_"}.get(api, "")
         return Job(
+            api=api,
+            request=request,
+            messages=body["messages"] if kind == "chat" else [],
+            item_id=f"{item_prefix}{uuid.uuid4().hex}",
             rid=rid,
             kind=kind,
             stream=stream,
@@ -265,22 +290,30 @@ class SimWorker:
             tool_call_id=f"chatcmpl-tool-{uuid.uuid4().hex}" if tool is not None else "",
         )
 
-    @staticmethod
-    def _tool_choice(body: dict[str, Any]) -> dict[str, Any] | None:
-        """The tool to call, if the request forces one (`required` or a named function)."""
+    def _tool_choice(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The tool to call: the forced one (`required`: the first; a named function), or on
+        `auto` (the default) the first function tool when the last message is the user's —
+        after a tool result the model answers in text, so agent loops run and end."""
         tools = body.get("tools")
         choice = body.get("tool_choice")
         if not tools or not isinstance(tools, list):
             return None
+        if choice in (None, "auto"):
+            if self.config.auto_tool_calls == "text":
+                return None
+            messages = body.get("messages") or [{}]
+            if not isinstance(messages[-1], dict) or messages[-1].get("role") != "user":
+                return None
+            return next((t for t in tools if _is_function_tool(t)), None)
         if choice == "required":
             tool = tools[0]
-            if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
-                raise shapes.RequestError(400, "tools[0] is not a function tool", param="tools")
+            if not _is_function_tool(tool):
+                raise shapes.RequestError(400, "tools[0] is not a function tool with a name", param="tools")
             return tool
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
             for tool in tools:
-                if isinstance(tool, dict) and (tool.get("function") or {}).get("name") == name:
+                if _is_function_tool(tool) and tool["function"]["name"] == name:
                     return tool
             raise shapes.RequestError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
         return None
@@ -308,7 +341,7 @@ class SimWorker:
         job.handle = self.runner.submit(seq)
         return job.handle
 
-    def _usage(self, job: Job, produced: int) -> shapes.Usage:
+    def usage(self, job: Job, produced: int) -> shapes.Usage:
         seq = job.handle.seq if job.handle else None
         cached = (seq.gpu_hit_tokens + seq.pool_loaded_tokens) if seq is not None else 0
         return shapes.Usage(job.prompt_len, produced, cached)
@@ -320,7 +353,12 @@ class SimWorker:
         handle = await self._submit(job)
         try:
             if job.stream:
-                await self._stream(job, handle, send, headers)
+                if job.api == "responses":
+                    await serving.stream_responses(self, job, handle, send, headers)
+                elif job.api == "messages":
+                    await serving.stream_messages(self, job, handle, send, headers)
+                else:
+                    await self._stream(job, handle, send, headers)
             else:
                 while not handle.finished:
                     if handle.aborted:
@@ -330,8 +368,20 @@ class SimWorker:
         finally:
             self.runner.abort(handle)
 
+    async def next_progress(self, handle: Handle, sent: int) -> int:
+        """Tokens produced so far, once more than `sent` are; raises if the engine aborted."""
+        while handle.produced == sent and not handle.aborted:
+            await handle.wait()
+        if handle.aborted:
+            raise RuntimeError("request aborted")
+        return handle.produced
+
     def _final_body(self, job: Job) -> dict[str, Any]:
-        usage = self._usage(job, job.out_tokens)
+        if job.api == "responses":
+            return serving.final_response(self, job)
+        if job.api == "messages":
+            return serving.final_message(self, job)
+        usage = self.usage(job, job.out_tokens)
         created = job.created
         if job.kind == "completion":
             return shapes.completion_response(
@@ -364,7 +414,7 @@ class SimWorker:
             upto = handle.produced
             last = upto >= job.out_tokens
             finish = job.finish_reason if last else None
-            usage = self._usage(job, upto) if job.continuous_usage else None
+            usage = self.usage(job, upto) if job.continuous_usage else None
             text = "".join(job.pieces[sent:upto])
             if chat:
                 if sent == 0:
@@ -389,23 +439,26 @@ class SimWorker:
             sent = upto
         if job.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            usage_payload = shapes.usage_chunk(rid, model, job.created, obj, self._usage(job, sent))
+            usage_payload = shapes.usage_chunk(rid, model, job.created, obj, self.usage(job, sent))
             await send_chunk(send, shapes.sse(usage_payload))
         await send_chunk(send, shapes.SSE_DONE, more=False)
 
     # -- HTTP -----------------------------------------------------------------------------
 
     def _inference(self, kind: str) -> Callable[[Request], Any]:
+        # /v1/messages answers errors in Anthropic's shape, as vLLM's translate_error_response.
+        error = serving.messages_error if kind == "messages" else _error
+
         async def endpoint(request: Request) -> Any:
             self.requests_total += 1
             if self.fault.mode == "error500":
-                return _error(500, "simulated engine failure (fault injection)", "InternalServerError")
+                return error(500, "simulated engine failure (fault injection)", "InternalServerError")
             raw = await request.body()
             try:
                 job = self._parse(raw, kind, request.headers.get("x-request-id"))
             except shapes.RequestError as exc:
                 self.rejected_total += 1
-                return _error(exc.status, exc.message, exc.type, exc.param)
+                return error(exc.status, exc.message, exc.type, exc.param)
 
             def on_disconnect(noticed_at: float) -> None:
                 if job.handle is not None:
@@ -475,6 +528,9 @@ class SimWorker:
         routes = [
             Route("/v1/chat/completions", self._inference("chat"), methods=["POST"]),
             Route("/v1/completions", self._inference("completion"), methods=["POST"]),
+            Route("/v1/responses", self._inference("responses"), methods=["POST"]),
+            Route("/v1/messages", self._inference("messages"), methods=["POST"]),
+            *serving.agent_routes(self),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -579,6 +635,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--get-load-format", choices=("sglang", "legacy"), default="sglang")
+    p.add_argument(
+        "--auto-tool-calls", choices=("call", "text"), default="call",
+        help='tool_choice "auto": call the first tool after a user turn, or always answer in text',
+    )  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -611,6 +671,7 @@ def config_from_args(args: argparse.Namespace, name: str, port: int, pool: str |
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         get_load_format=args.get_load_format,
+        auto_tool_calls=args.auto_tool_calls,
     )
 
 

@@ -228,9 +228,16 @@ def test_openai_sdk_tool_calls(cluster: SimCluster) -> None:
             finish = chunk.choices[0].finish_reason
     assert name == "get_time" and json.loads(arguments) == {} and len(ids) == 1 and finish == "tool_calls"
 
-    # With tool_choice "auto" the simulated model answers in text.
-    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=3)
-    assert auto.choices[0].message.tool_calls in (None, []) and auto.choices[0].message.content
+    # With tool_choice "auto" (the default) the simulated model calls the first tool after a
+    # user turn, answers in text after the tool's result, and never calls one on "none".
+    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK])
+    [auto_call] = auto.choices[0].message.tool_calls or []
+    assert auto_call.function.name == "get_weather" and auto.choices[0].finish_reason == "tool_calls"
+    messages += [auto.choices[0].message.model_dump(), {"role": "tool", "tool_call_id": auto_call.id, "content": "sunny"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=3)
+    assert answer.choices[0].message.tool_calls in (None, []) and answer.choices[0].message.content
+    none = client.chat.completions.create(model=MODEL, messages=messages[:1], tools=[WEATHER], tool_choice="none")
+    assert none.choices[0].message.tool_calls in (None, []) and none.choices[0].finish_reason == "stop"
 
 
 def test_metrics_count_tokens_hits_and_ttft(cluster: SimCluster) -> None:
