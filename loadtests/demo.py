@@ -113,7 +113,11 @@ def _p(values: list[float], q: float) -> float:
 
 
 def run_policy(policy: str, s: DemoSettings) -> dict:
-    with SimCluster(workers=s.workers, time_scale=s.time_scale, pool=s.pool) as cluster:
+    # The workload replays scripted replies sized by max_tokens (as `kvroute bench` does): a
+    # simulated tool call on "auto" would cut its generations short.
+    with SimCluster(
+        workers=s.workers, time_scale=s.time_scale, pool=s.pool, extra_args=["--auto-tool-calls", "text"]
+    ) as cluster:
         extra = ["--pool-capacity-tokens", "50000000"] if cluster.pool_url else []
         with RouterProcess(cluster.worker_urls, policy=policy, extra_args=extra) as router:
             ttfts = asyncio.run(_drive(router.url, s))
