@@ -18,10 +18,19 @@ worker holding most of its prefix only for a predicted gain of more than one eng
 (`CostModel.step_s`): smaller differences are noise in the router's view of the queues, and
 moving duplicates the conversation's KV on a second worker.
 
-A conversation's home is a worker holding the prompt of its previous turn (the chain's
-`reply_depth`): while that worker's queues are negligible the recent-count cap does not
-move the conversation (`bounded.within_bounds`), however much of the recent traffic is the
-conversation's own. New sessions on a hot prefix have no home and are spread as before.
+A conversation's home is a worker holding the prompt of its previous turn: while that
+worker's queues are negligible the recent-count cap does not move the conversation
+(`bounded.within_bounds`), however much of the recent traffic is the conversation's own.
+The previous turn is found
+* by its reply: a worker holding the chain up to `reply_depth` (the keys before the last
+  assistant message) served the turn that message answers;
+* else, for requests without one (completions agents resending a growing prompt, one-message
+  chat replays, precise token chains), by where the prompts this policy placed ended
+  (`continuation.ServedEnds`): the worker a prompt this request extends went to, if the
+  index still shows it holding that prompt.
+A shared prefix is neither: new sessions on a hot system prompt carry no reply, extend no
+placed prompt (the first session's prompt went on past the shared part, so the sessions
+fork inside it), have no home and are spread as before.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import ClassVar
 from cache_client.base import POOL, IndexView
 from router.cost import CostModel
 from router.policies.bounded import DEFAULT_LOAD_FACTOR, within_bounds
+from router.policies.continuation import ServedEnds
 from router.routing import CandidateScore, RouteDecision, RouteRequest, WorkerLoad
 
 # Builds a CandidateScore from a plain tuple, skipping the NamedTuple's Python-level __new__:
@@ -45,6 +55,7 @@ class CacheAwarePolicy:
 
     def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
         self._load_factor = load_factor
+        self._served = ServedEnds()
 
     def choose(
         self, request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad], cost: CostModel
@@ -53,6 +64,10 @@ class CacheAwarePolicy:
         total = chain.total_tokens
         pool = chain.tokens_at_depth(view.depth(POOL))
         homes = {w.name for w in loads if chain.reply_depth and view.depth(w.name) >= chain.reply_depth}
+        if not homes:  # no reply names the previous turn: a prompt this router placed may
+            continued = self._served.home(chain, view)
+            if continued is not None:
+                homes.add(continued)
         eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
@@ -77,6 +92,7 @@ class CacheAwarePolicy:
             reason = "pool_hit"
         else:
             reason = "miss"
+        self._served.served(chain, chosen.worker)
         ranking = tuple(s.worker for s in scores if s is not chosen and s.within_bound) + tuple(
             s.worker for s in scores if not s.within_bound
         )
