@@ -23,6 +23,17 @@ prompt never name a home, except the second one when the first session's questio
 a block: they are spread by the recent-count cap as before. A conversation whose turns add
 less than a block each loses its home for one turn (its earlier ends still name it after).
 
+Precise chains need no template knowledge for this: the template does render a reply
+boundary (the generation prompt before each assistant message), but a served prompt's end
+is that boundary already, and prompt N's tokens prefix prompt N+1's exactly when the
+template renders the history unchanged, which is also when vLLM can reuse it. (A template
+that rewrites earlier turns, e.g. dropping reasoning, breaks the prefix there; the scan
+then finds the end of an earlier turn.)
+
+Cost: one dict probe per key held (about 40 ns each, measured: 20-45 µs for the 500 keys of
+a 32k-token estimate chain with nothing remembered, against 1.3 ms to build that chain);
+a continuing request hits within its last few keys.
+
 The memory is this router's own (bounded, oldest entries dropped first): router replicas
 sharing an index each know the prompts they placed. A remembered end only counts while
 the index still shows its worker holding it, so a failed-over or dry-run (`/debug/route`)
@@ -44,8 +55,9 @@ _FORK = None
 class ServedEnds:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._capacity = capacity
-        self._ends: dict[PrefixKey, tuple[str | None, PrefixKey]] = {}
-        """end key -> (worker, or _FORK; the last key of the prompt that ended there)."""
+        self._ends: dict[PrefixKey, tuple[str | None, PrefixKey, int]] = {}
+        """end key -> (worker, or _FORK; the last key of the prompt that ended there; the
+        end key's index in the chain, the same in every chain holding it)."""
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -55,18 +67,18 @@ class ServedEnds:
         depths = view.depths
         if not depths or not self._ends:
             return None
-        ends, keys = self._ends, chain.keys
+        keys = chain.keys
         # No end beyond the deepest holder's depth is held; key 0 (model and tools) is
-        # every request's, so an end there names no conversation.
-        for i in range(min(max(depths.values()), len(keys)) - 1, 0, -1):
-            entry = ends.get(keys[i])
-            if entry is None:
-                continue
-            worker = entry[0]
-            if worker is _FORK or depths.get(worker, 0) <= i:
-                return None
-            return worker
-        return None
+        # every request's, so an end there names no conversation. The deepest remembered
+        # end first, found at C speed (a 32k-token prompt holds 500 keys).
+        held = keys[1 : min(max(depths.values()), len(keys))]
+        entry = next(filter(None, map(self._ends.get, reversed(held))), None)
+        if entry is None:
+            return None
+        worker, _, at = entry
+        if worker is _FORK or depths.get(worker, 0) <= at:
+            return None
+        return worker
 
     def served(self, chain: PrefixChain, worker: str) -> None:
         """Remember that `chain`'s prompt went to `worker`."""
@@ -77,8 +89,8 @@ class ServedEnds:
         ends = self._ends
         previous = ends.pop(end, None)
         if previous is not None and (previous[0] is _FORK or previous[1] != last):
-            ends[end] = (_FORK, last)  # a second prompt ended here: a shared prefix
+            ends[end] = (_FORK, last, len(keys) - 2)  # a second prompt ended here: a shared prefix
         else:
-            ends[end] = (worker, last)  # new, or the same prompt again (a retry)
+            ends[end] = (worker, last, len(keys) - 2)  # new, or the same prompt again (a retry)
         if len(ends) > self._capacity:
             del ends[next(iter(ends))]
