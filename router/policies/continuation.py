@@ -9,19 +9,26 @@ conversation, and precise chains (vLLM's token blocks) have no message boundarie
 The index alone cannot tell such a continuation from a new session on a hot prefix: both
 find one worker holding almost all of their prompt (a 6,000-character system prompt and a
 one-line question is 99% shared). What tells them apart is where a served prompt *ended*.
-So the policy remembers, for each prompt it placed, its *end key*, the key before its last
-block (the last block is the one a continuation may still grow: the partial tail of a
-completions prompt or of the last message; every earlier key is in any continuation's
-chain, precise ones included), mapped to the worker it went to.
+So the policy remembers, for each prompt it placed, its *end key*, mapped to the worker it
+went to: the deepest key whose block ends at least `END_SLACK_TOKENS` before the prompt's
+end. Not its very end: a continuation rewrites the prompt's last tokens, the partial block
+it grows (of a completions prompt, or of the last message) and the marker that closes a
+rendered message (`<|end|>\n` in the estimate rendering; a real template's end-of-turn and
+generation-prompt tokens), which a message that grows moves. Every earlier key is in any
+continuation's chain, estimate or precise.
 
 The rule: a request continues what worker W served if the deepest remembered end key in
-its chain, among the keys W holds (`IndexView` depth), was recorded for W. An end key that
-two different prompts ended at is a fork point (sessions diverging after a shared prefix,
-whose own tails were shorter than a block), remembered as such, and a request whose
-deepest remembered end is a fork point has no home. So new sessions on a hot system
-prompt never name a home, except the second one when the first session's question fit in
-a block: they are spread by the recent-count cap as before. A conversation whose turns add
-less than a block each loses its home for one turn (its earlier ends still name it after).
+its chain, among the keys W holds (`IndexView` depth), was recorded for W, and no other
+prompt continued that end. A conversation is a line: prompt N is continued by prompt N+1
+alone (its retries are the same prompt), and prompt N+2 continues N+1's end, which is
+deeper. An end that two different prompts continued, or ended at (sessions that diverge
+after a shared prefix within one block), is a fork: the shared prefix of sessions, not a
+conversation. It is remembered as such, and a request whose deepest remembered end is a
+fork has no home. So new sessions on a hot system prompt name no home (only the second
+one can, when the first session's prompt, or a request of the bare prefix, ended where
+the second continues): they are spread by the recent-count cap as before. A conversation
+whose turn adds less than a block ends where its previous turn did, so it loses its home
+until a turn crosses a block.
 
 Precise chains need no template knowledge for this: the template does render a reply
 boundary (the generation prompt before each assistant message), but a served prompt's end
@@ -37,13 +44,21 @@ a continuing request hits within its last few keys.
 The memory is this router's own (bounded, oldest entries dropped first): router replicas
 sharing an index each know the prompts they placed. A remembered end only counts while
 the index still shows its worker holding it, so a failed-over or dry-run (`/debug/route`)
-decision, or an eviction, cannot name a worker that does not hold the prompt.
+decision, or an eviction, cannot name a worker that does not hold the prompt. (A dry run
+of a second, different continuation of a prompt does mark its end a fork: the real next
+turn then finds no home once.)
 """
 
 from __future__ import annotations
 
+import bisect
+
 from cache_client.base import IndexView
 from normalizer.prefix import PrefixChain, PrefixKey
+
+END_SLACK_TOKENS = 8
+"""Tokens at a prompt's end that a continuation may rewrite (module docstring): more than
+the estimate rendering's closing marker (2) and the few closing tokens of a chat template."""
 
 DEFAULT_CAPACITY = 1 << 16
 """Remembered prompt ends (about 150 bytes each): one per turn routed, the oldest dropped."""
@@ -55,27 +70,35 @@ _FORK = None
 class ServedEnds:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._capacity = capacity
-        self._ends: dict[PrefixKey, tuple[str | None, PrefixKey, int]] = {}
+        self._ends: dict[PrefixKey, tuple[str | None, PrefixKey, int, PrefixKey | None]] = {}
         """end key -> (worker, or _FORK; the last key of the prompt that ended there; the
-        end key's index in the chain, the same in every chain holding it)."""
+        end key's index in the chain, the same in every chain holding it; the last key of
+        the prompt that continued it, if one did)."""
 
     def __len__(self) -> int:
         return len(self._ends)
 
     def home(self, chain: PrefixChain, view: IndexView) -> str | None:
         """The worker holding a prompt that `chain` continues (module docstring), if any."""
-        depths = view.depths
-        if not depths or not self._ends:
+        depths, ends = view.depths, self._ends
+        if not depths or not ends:
             return None
         keys = chain.keys
         # No end beyond the deepest holder's depth is held; key 0 (model and tools) is
         # every request's, so an end there names no conversation. The deepest remembered
         # end first, found at C speed (a 32k-token prompt holds 500 keys).
         held = keys[1 : min(max(depths.values()), len(keys))]
-        entry = next(filter(None, map(self._ends.get, reversed(held))), None)
+        entry = next(filter(None, map(ends.get, reversed(held))), None)
         if entry is None:
             return None
-        worker, _, at = entry
+        worker, ended, at, next_last = entry
+        last = keys[-1]
+        if worker is not _FORK and last != ended and next_last != last:  # not a retry of either
+            if next_last is None:
+                ends[keys[at]] = (worker, ended, at, last)  # its one continuation, so far
+            else:
+                worker = _FORK  # a second prompt continues it: a shared prefix
+                ends[keys[at]] = (_FORK, ended, at, next_last)
         if worker is _FORK or depths.get(worker, 0) <= at:
             return None
         return worker
@@ -83,14 +106,16 @@ class ServedEnds:
     def served(self, chain: PrefixChain, worker: str) -> None:
         """Remember that `chain`'s prompt went to `worker`."""
         keys = chain.keys
-        if len(keys) < 3:  # its end would be key 0
+        at = bisect.bisect_right(chain.cum_tokens, chain.total_tokens - END_SLACK_TOKENS) - 1
+        if at < 1:  # an end at key 0 names no conversation
             return
-        end, last = keys[-2], keys[-1]
+        end, last = keys[at], keys[-1]
         ends = self._ends
         previous = ends.pop(end, None)
-        if previous is not None and (previous[0] is _FORK or previous[1] != last):
-            ends[end] = (_FORK, last, len(keys) - 2)  # a second prompt ended here: a shared prefix
+        if previous is None or (previous[0] is not _FORK and previous[1] == last):
+            # New, or the same prompt again (a retry, or re-ranked after queueing).
+            ends[end] = (worker, last, at, previous[3] if previous else None)
         else:
-            ends[end] = (worker, last, len(keys) - 2)  # new, or the same prompt again (a retry)
+            ends[end] = (_FORK, last, at, None)  # a second prompt ended here: a shared prefix
         if len(ends) > self._capacity:
             del ends[next(iter(ends))]

@@ -188,6 +188,29 @@ def test_new_sessions_sharing_a_prefix_inside_one_prompt_still_spread(form: str,
     assert len(served) >= 3 and max(served.values()) <= 6, served
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_new_sessions_after_a_request_of_the_bare_prefix_still_spread(form: str) -> None:
+    """Each session extends the warm-up's prompt, as a conversation would: the second one
+    to continue it shows it to be a shared prefix."""
+    make_body, chain_of = FORMS[form]
+    question = "session {i}: " + "what does this module do? " * 20
+    bodies = [make_body(SYSTEM)] + [make_body(SYSTEM + question.format(i=i)) for i in range(12)]
+    served = Counter(d.worker for d in _route_turns("cache_aware", bodies, chain_of=chain_of))
+    assert len(served) >= 3 and max(served.values()) <= 6, served
+
+
+def test_one_prompt_continues_an_end_and_a_second_makes_it_a_fork() -> None:
+    ends, base = ServedEnds(), _chain("s" * 2048)
+    one, two = _chain("s" * 2048 + "one" * 200), _chain("s" * 2048 + "two" * 200)
+    view = IndexView({"w1": len(base)})
+    ends.served(base, "w1")
+    assert ends.home(base, view) == "w1"  # the same prompt again continues nothing new
+    assert ends.home(one, view) == "w1"
+    assert ends.home(one, view) == "w1"  # its retry
+    assert ends.home(two, view) is None
+    assert ends.home(one, view) is None
+
+
 def _chain(prompt: str) -> PrefixChain:
     return _completion_chain(_completion(prompt))
 
@@ -200,6 +223,20 @@ def test_a_remembered_end_names_its_worker_only_while_the_index_holds_it() -> No
     assert ends.home(second, IndexView({"w2": len(first) - 1})) is None  # w1 evicted it
     assert ends.home(second, IndexView({"w1": len(first) - 2})) is None  # only part of it
     assert ends.home(_chain("c" * 2500), IndexView({"w1": 1})) is None  # shares only key 0
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_continuation_names_its_home_wherever_the_prompt_ends_in_its_block(form: str) -> None:
+    """Whatever the length of prompt N, including a last block holding only part of the
+    closing marker of a rendered message, prompt N + more continues it."""
+    make_body, chain_of = FORMS[form]
+    build = chain_of or (lambda body: ESTIMATE.build(body, "chat"))
+    for extra in range(0, 300, 3):
+        ends, index = ServedEnds(), MemoryIndex()
+        before, after = build(make_body(SYSTEM[:1000 + extra])), build(make_body(SYSTEM[:1000 + extra] + " next" * 60))
+        ends.served(before, "w1")
+        index.record_sync("w1", before.keys, key_tokens_of(before.cum_tokens))
+        assert ends.home(after, index.lookup_sync(after.keys)) == "w1", extra
 
 
 def test_two_prompts_ending_at_one_key_make_it_a_fork() -> None:
