@@ -110,6 +110,8 @@ class RedisResponseOwners:
         self.tag = "{" + prefix + "}"
         self.local = local if local is not None else MemoryResponseOwners()
         """Every record this replica made, and the answers while Redis is away."""
+        self.unshared = MemoryResponseOwners()
+        """Records whose write did not reach Redis: still ours once Redis is back."""
         self.stats = {"remote": 0, "fallback": 0}
 
     def key(self, response_id: str) -> str:
@@ -137,21 +139,25 @@ class RedisResponseOwners:
 
     async def remember(self, response_id: str, record: OwnerRecord, ttl_s: float) -> None:
         self.local.put(response_id, record, ttl_s)
-        await self._call("SET", self.key(response_id), record.encode(), "EX", max(int(ttl_s), 1))
+        answered, _ = await self._call("SET", self.key(response_id), record.encode(), "EX", max(int(ttl_s), 1))
+        if not answered:
+            self.unshared.put(response_id, record, ttl_s)
 
     async def owner(self, response_id: str) -> OwnerRecord | None:
         answered, raw = await self._call("GET", self.key(response_id))
         if not answered:
             return self.local.get(response_id)
         if raw is None:
-            # Recorded here while Redis was away (and never replayed there): still ours.
-            return self.local.get(response_id)
+            # Recorded here while Redis was away (so never written there): still ours.
+            return self.unshared.get(response_id)
         return OwnerRecord.decode(raw)  # type: ignore[arg-type]
 
     async def forget(self, response_id: str) -> None:
         self.local.delete(response_id)
+        self.unshared.delete(response_id)
         await self._call("DEL", self.key(response_id))
 
     async def close(self) -> None:
         # The backend belongs to the index, which closes it.
         await self.local.close()
+        await self.unshared.close()
