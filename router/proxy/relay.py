@@ -72,7 +72,7 @@ async def relay_stream(
         async for chunk in chunks:
             flight.extend(loop.time() + idle)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if learner is not None and learner.scanning:
+            if learner is not None:
                 learner.feed(chunk)
     except asyncio.CancelledError:
         if flight.expired is None:

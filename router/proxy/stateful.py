@@ -49,6 +49,7 @@ BY_ID_PATH = re.compile(r"^/v1/responses/([A-Za-z0-9_.\-]{1,256})(/cancel|/input
 _BY_ID_METHODS = {"": ("GET", "DELETE"), "/cancel": ("POST",), "/input_items": ("GET",)}
 # In `response.created`, the response object's "id" (vLLM and OpenAI write it first).
 _CREATED = re.compile(rb'"response\.created".*?"response"\s*:\s*\{.*?"id"\s*:\s*"([^"\\]{1,256})"', re.DOTALL)
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 _RESEND = "Resend the full conversation as `input`, without `previous_response_id`."
 
 
@@ -101,7 +102,7 @@ class ResponseIdScanner:
 class Learner:
     """Records the owner of one answered `/v1/responses` request."""
 
-    __slots__ = ("affinity", "scanner", "task", "tokens", "worker")
+    __slots__ = ("affinity", "last", "previous", "response_id", "scanner", "task", "tokens", "worker")
 
     def __init__(self, affinity: ResponsesAffinity, worker: str, tokens: int) -> None:
         self.affinity = affinity
@@ -110,6 +111,10 @@ class Learner:
         """The conversation's tokens as estimated before the answer (input side)."""
         self.scanner: ResponseIdScanner | None = None
         self.task: asyncio.Task | None = None
+        self.response_id: str | None = None
+        self.previous = b""
+        self.last = b""
+        """The stream's last two chunks (references, not copies): where its usage is."""
 
     async def from_body(self, body: bytes) -> None:
         """A whole answer: its "id", and its usage when the worker reports it. Recorded
@@ -132,21 +137,27 @@ class Learner:
         if scanner is None:
             scanner = self.scanner = ResponseIdScanner()
         if scanner.done:
+            if self.response_id is not None:
+                self.previous, self.last = self.last, chunk
             return
-        response_id = scanner.feed(chunk)
+        response_id = self.response_id = scanner.feed(chunk)
         if response_id is not None:
             record = OwnerRecord(self.worker, self.tokens)
             self.task = asyncio.ensure_future(self.affinity.remember(response_id, record))
 
-    @property
-    def scanning(self) -> bool:
-        return self.scanner is None or not self.scanner.done
-
     async def settle(self) -> None:
         """Before the stream's last byte: the record is made (the client's next request
-        may follow at once, on another replica)."""
+        may follow at once, on another replica), with the tokens `response.completed`
+        reports if the stream ended with it."""
         if self.task is not None:
             await self.task
+        if self.response_id is None or not self.last:
+            return
+        tail = self.previous + self.last
+        done = tail.rfind(b'"response.completed"')
+        match = _TOTAL_TOKENS.search(tail, done) if done >= 0 else None
+        if match is not None and int(match.group(1)) > 0:
+            await self.affinity.remember(self.response_id, OwnerRecord(self.worker, int(match.group(1))))
 
 
 class ResponsesAffinity:

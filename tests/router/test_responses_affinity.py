@@ -20,6 +20,7 @@ import httpx
 import orjson
 import pytest
 
+from cache_client.response_owners import OwnerRecord
 from router.config import RouterConfig
 from router.config_loader import flat_config
 from router.proxy.stateful import SCAN_LIMIT, ResponseIdScanner
@@ -99,7 +100,8 @@ class StoringWorkers:
         stream = b"event: response.created\ndata: " + created + b"\n\n"
         # The id split across two chunks, the way a TCP read can cut it.
         cut = stream.index(response_id.encode()) + 5
-        done = b'event: response.completed\ndata: {"type": "response.completed"}\n\n'
+        completed = orjson.dumps({"type": "response.completed", "response": answer})
+        done = b"event: response.completed\ndata: " + completed + b"\n\n"
         return StoredResponse(200, b"", SSE, [stream[:cut], stream[cut:], done])
 
 
@@ -148,6 +150,8 @@ async def test_owner_learned_from_a_stream_whose_id_is_split_across_chunks() -> 
         assert first.status == 200 and b"response.created" in first.body
         owner = first.headers["x-kvroute-worker"]
         response_id = next(iter(workers.stores[owner]))
+        # The tokens `response.completed` reported at the stream's end.
+        assert await app.proxy.affinity.owners.owner(response_id) == OwnerRecord(owner, 120)
         for _ in range(3):
             nxt = await post(app, RESPONSES, turn("and again", response_id))
             assert nxt.status == 200 and nxt.headers["x-kvroute-worker"] == owner
