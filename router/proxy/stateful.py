@@ -205,6 +205,10 @@ class ResponsesAffinity:
         except RouterError as exc:
             proxy.metrics.rejected.inc(exc.code)
             await send_whole(send, exc.status, exc.headers(), exc.body())
+        except Exception as exc:  # a bug: a redacted line and an OpenAI-style 500, no traceback
+            log.error("internal error on %s: %s", scope["path"], exc_summary(exc))
+            error = RouterError(500, "Internal router error.", "internal_error")
+            await send_whole(send, 500, error.headers(), error.body())
 
     async def _by_id(self, proxy: Proxy, scope: dict, receive: Any, send: Any) -> None:
         match = BY_ID_PATH.match(scope["path"])
