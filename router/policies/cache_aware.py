@@ -25,9 +25,10 @@ The previous turn is found
 * by its reply: a worker holding the chain up to `reply_depth` (the keys before the last
   assistant message) served the turn that message answers;
 * else, for requests without one (completions agents resending a growing prompt, one-message
-  chat replays, precise token chains), by where the prompts this policy placed ended
-  (`continuation.ServedEnds`): the worker a prompt this request extends went to, if the
-  index still shows it holding that prompt.
+  chat replays, precise token chains), by `RouteRequest.continues`: the worker a prompt
+  this request extends went to, if the index still shows it holding that prompt (the
+  proxy's memory of where the prompts it sent ended, `cache_client/served_ends.py`,
+  answers it before the decision: the policy itself keeps no state).
 A shared prefix is neither: new sessions on a hot system prompt carry no reply, extend no
 placed prompt (the first session's prompt went on past the shared part, so the sessions
 fork inside it), have no home and are spread as before.
@@ -41,7 +42,6 @@ from typing import ClassVar
 from cache_client.base import POOL, IndexView
 from router.cost import CostModel
 from router.policies.bounded import DEFAULT_LOAD_FACTOR, within_bounds
-from router.policies.continuation import ServedEnds
 from router.routing import CandidateScore, RouteDecision, RouteRequest, WorkerLoad
 
 # Builds a CandidateScore from a plain tuple, skipping the NamedTuple's Python-level __new__:
@@ -55,7 +55,6 @@ class CacheAwarePolicy:
 
     def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
         self._load_factor = load_factor
-        self._served = ServedEnds()
 
     def choose(
         self, request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad], cost: CostModel
@@ -63,11 +62,10 @@ class CacheAwarePolicy:
         chain = request.chain
         total = chain.total_tokens
         pool = chain.tokens_at_depth(view.depth(POOL))
-        homes = {w.name for w in loads if chain.reply_depth and view.depth(w.name) >= chain.reply_depth}
-        if not homes:  # no reply names the previous turn: a prompt this router placed may
-            continued = self._served.home(chain, view)
-            if continued is not None:
-                homes.add(continued)
+        if chain.reply_depth:
+            homes = {w.name for w in loads if view.depth(w.name) >= chain.reply_depth}
+        else:  # no reply names the previous turn: a prompt the router sent may
+            homes = {request.continues} if request.continues is not None else set()
         eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
@@ -92,7 +90,6 @@ class CacheAwarePolicy:
             reason = "pool_hit"
         else:
             reason = "miss"
-        self._served.served(chain, chosen.worker)
         ranking = tuple(s.worker for s in scores if s is not chosen and s.within_bound) + tuple(
             s.worker for s in scores if not s.within_bound
         )

@@ -13,6 +13,7 @@ import pytest
 
 from cache_client.base import IndexView, key_tokens_of
 from cache_client.memory import MemoryIndex
+from cache_client.served_ends import ServedEnds
 from loadtests.affinity import MODEL, AgentTurn, own_system, run_agent
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
@@ -23,7 +24,6 @@ from router.cost import CostModel
 from router.load import LocalLoadBoard
 from router.policies import make_policy
 from router.policies.bounded import within_bounds
-from router.policies.continuation import ServedEnds
 from router.precise.chain import chain_of_tokens
 from router.routing import RouteRequest, WorkerLoad
 
@@ -38,13 +38,14 @@ def _route_turns(
     background: dict[str, float] | None = None,
     chain_of: Callable[[Any], PrefixChain] | None = None,
 ) -> list:
-    """Route each body in turn as a router would: look up, choose, record, acquire, release.
+    """Route each body in turn as the proxy does: look up (the index, and where the prompts
+    sent before ended), choose, record (on the index and the ends memory), acquire, release.
 
     The board's clock stands still, so recent counts never decay: each routed request stays
     counted on its worker, the worst skew sequential traffic can build. `chain_of`: how a
     body becomes its chain (default: the estimate chain of a chat body).
     """
-    policy, index, chains = make_policy(policy_name), MemoryIndex(), EstimateChainBuilder()
+    policy, index, ends, chains = make_policy(policy_name), MemoryIndex(), ServedEnds(), EstimateChainBuilder()
     board = LocalLoadBoard(clock=lambda: 0.0)
     for name, count in (background or {}).items():
         for _ in range(int(count)):
@@ -53,8 +54,10 @@ def _route_turns(
     for body in bodies:
         chain = chain_of(body) if chain_of else chains.build(body, "chat")
         view = index.lookup_sync(chain.keys)
-        d = policy.choose(RouteRequest(chain), view, board.snapshot(WORKERS), COST)
+        continues = None if chain.reply_depth else ends.lookup(chain, view)
+        d = policy.choose(RouteRequest(chain, continues=continues), view, board.snapshot(WORKERS), COST)
         index.record_sync(d.worker, chain.keys, key_tokens_of(chain.cum_tokens))
+        ends.record(d.worker, chain)
         board.release(board.acquire(d.worker, d.prefill_s))
         decisions.append(d)
     return decisions
@@ -128,7 +131,7 @@ def test_agents_keep_their_workers_end_to_end() -> None:
 
 # -- requests without an assistant message: a growing prompt, one growing message, token
 # chains. Their previous turn is found by where the prompts placed before ended
-# (router/policies/continuation.py).
+# (cache_client/served_ends.py).
 
 ESTIMATE = EstimateChainBuilder()
 
@@ -203,12 +206,14 @@ def test_one_prompt_continues_an_end_and_a_second_makes_it_a_fork() -> None:
     ends, base = ServedEnds(), _chain("s" * 2048)
     one, two = _chain("s" * 2048 + "one" * 200), _chain("s" * 2048 + "two" * 200)
     view = IndexView({"w1": len(base)})
-    ends.served(base, "w1")
-    assert ends.home(base, view) == "w1"  # the same prompt again continues nothing new
-    assert ends.home(one, view) == "w1"
-    assert ends.home(one, view) == "w1"  # its retry
-    assert ends.home(two, view) is None
-    assert ends.home(one, view) is None
+    ends.record("w1", base)
+    assert ends.lookup(base, view) == "w1"  # the same prompt again continues nothing new
+    assert ends.lookup(one, view) == ends.lookup(two, view) == "w1"  # lookups record nothing
+    ends.record("w1", one)
+    assert ends.lookup(one, view) == "w1"  # its retry
+    assert ends.lookup(two, view) is None  # would be a second continuation
+    ends.record("w2", two)
+    assert ends.lookup(one, view) is None
 
 
 def _chain(prompt: str) -> PrefixChain:
@@ -217,12 +222,12 @@ def _chain(prompt: str) -> PrefixChain:
 
 def test_a_remembered_end_names_its_worker_only_while_the_index_holds_it() -> None:
     ends, first, second = ServedEnds(), _chain("a" * 2000), _chain("a" * 2000 + "b" * 500)
-    ends.served(first, "w1")
+    ends.record("w1", first)
     held = IndexView({"w1": len(first) - 1, "w2": len(first) - 1})
-    assert ends.home(second, held) == "w1"
-    assert ends.home(second, IndexView({"w2": len(first) - 1})) is None  # w1 evicted it
-    assert ends.home(second, IndexView({"w1": len(first) - 2})) is None  # only part of it
-    assert ends.home(_chain("c" * 2500), IndexView({"w1": 1})) is None  # shares only key 0
+    assert ends.lookup(second, held) == "w1"
+    assert ends.lookup(second, IndexView({"w2": len(first) - 1})) is None  # w1 evicted it
+    assert ends.lookup(second, IndexView({"w1": len(first) - 2})) is None  # only part of it
+    assert ends.lookup(_chain("c" * 2500), IndexView({"w1": 1})) is None  # shares only key 0
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -234,29 +239,41 @@ def test_a_continuation_names_its_home_wherever_the_prompt_ends_in_its_block(for
     for extra in range(0, 300, 3):
         ends, index = ServedEnds(), MemoryIndex()
         before, after = build(make_body(SYSTEM[:1000 + extra])), build(make_body(SYSTEM[:1000 + extra] + " next" * 60))
-        ends.served(before, "w1")
+        ends.record("w1", before)
         index.record_sync("w1", before.keys, key_tokens_of(before.cum_tokens))
-        assert ends.home(after, index.lookup_sync(after.keys)) == "w1", extra
+        assert ends.lookup(after, index.lookup_sync(after.keys)) == "w1", extra
 
 
 def test_two_prompts_ending_at_one_key_make_it_a_fork() -> None:
     ends, base = ServedEnds(), "s" * 2048
     one, two, later = _chain(base + "question one"), _chain(base + "question two"), _chain(base + "x" * 600)
     view = IndexView({"w1": len(one) - 1})
-    ends.served(one, "w1")
-    ends.served(one, "w1")  # a retry of the same prompt is no fork
-    assert ends.home(later, view) == "w1"
-    ends.served(two, "w2")
-    assert ends.home(later, view) is None
-    ends.served(one, "w1")  # and a fork stays one
-    assert ends.home(later, view) is None
+    ends.record("w1", one)
+    ends.record("w1", one)  # a retry of the same prompt is no fork
+    assert ends.lookup(later, view) == "w1"
+    ends.record("w2", two)
+    assert ends.lookup(later, view) is None
+    ends.record("w1", one)  # and a fork stays one
+    assert ends.lookup(later, view) is None
 
 
 def test_remembered_ends_are_bounded() -> None:
     ends = ServedEnds(capacity=8)
     for i in range(20):
-        ends.served(_chain(f"prompt {i} " * 100), "w0")
+        ends.record("w0", _chain(f"prompt {i} " * 100))
     assert len(ends) == 8
+
+
+def test_the_policy_makes_the_continued_worker_a_home_and_keeps_no_state() -> None:
+    """`choose` is a function of its inputs: the same request, view and loads give the same
+    decision however often it is asked; `continues` makes its worker a quiet home."""
+    policy, chain = make_policy("cache_aware"), _chain("a" * 2000 + "b" * 500)
+    view = IndexView({"w0": len(chain) - 2})
+    loads = [WorkerLoad("w0", recent=20.0), WorkerLoad("w1"), WorkerLoad("w2"), WorkerLoad("w3")]
+    spread = [policy.choose(RouteRequest(chain), view, loads, COST) for _ in range(3)]
+    assert {(d.worker, d.reason) for d in spread} == {(spread[0].worker, "overload")} and spread[0].worker != "w0"
+    home = [policy.choose(RouteRequest(chain, continues="w0"), view, loads, COST) for _ in range(3)]
+    assert {(d.worker, d.reason) for d in home} == {("w0", "gpu_hit")}
 
 
 async def _grow_agent(url: str, turns: int, api: str, agent: int = 0) -> list[AgentTurn]:

@@ -9,7 +9,7 @@ conversation, and precise chains (vLLM's token blocks) have no message boundarie
 The index alone cannot tell such a continuation from a new session on a hot prefix: both
 find one worker holding almost all of their prompt (a 6,000-character system prompt and a
 one-line question is 99% shared). What tells them apart is where a served prompt *ended*.
-So the policy remembers, for each prompt it placed, its *end key*, mapped to the worker it
+So the router remembers, for each prompt it sent, its *end key*, mapped to the worker it
 went to: the deepest key whose block ends at least `END_SLACK_TOKENS` before the prompt's
 end. Not its very end: a continuation rewrites the prompt's last tokens, the partial block
 it grows (of a completions prompt, or of the last message) and the marker that closes a
@@ -41,17 +41,23 @@ Cost: one dict probe per key held (about 40 ns each, measured: 20-45 µs for the
 a 32k-token estimate chain with nothing remembered, against 1.3 ms to build that chain);
 a continuing request hits within its last few keys.
 
+Where it sits: at the edge of the routing decision, like the index. The proxy looks the
+chain up (`lookup`, next to the index lookup, for chains without a reply) and hands the
+answer to the policy as data (`RouteRequest.continues`); it records the prompt (`record`)
+when it sends it to a worker, in estimate and precise mode alike (precise mode feeds the
+index from KV events, but only the router knows which prompt it sent where). `lookup`
+never writes, so a `/debug/route` dry run leaves later decisions as they were.
+
 The memory is this router's own (bounded, oldest entries dropped first): router replicas
-sharing an index each know the prompts they placed. A remembered end only counts while
-the index still shows its worker holding it, so a failed-over or dry-run (`/debug/route`)
-decision, or an eviction, cannot name a worker that does not hold the prompt. (A dry run
-of a second, different continuation of a prompt does mark its end a fork: the real next
-turn then finds no home once.)
+sharing an index each know the prompts they sent. A remembered end only counts while the
+index still shows its worker holding it, so a failed attempt or an eviction cannot name a
+worker that does not hold the prompt.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 from cache_client.base import IndexView
 from normalizer.prefix import PrefixChain, PrefixKey
@@ -67,10 +73,16 @@ _FORK = None
 """The worker of an end key that several prompts ended at."""
 
 
+_Entry = tuple[str | None, PrefixKey, int, PrefixKey | None]
+
+
 class ServedEnds:
+    """Where the prompts this router sent ended (module docstring). `lookup` reads only;
+    `record` is called once per prompt sent to a worker, never for a dry run."""
+
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._capacity = capacity
-        self._ends: dict[PrefixKey, tuple[str | None, PrefixKey, int, PrefixKey | None]] = {}
+        self._ends: dict[PrefixKey, _Entry] = {}
         """end key -> (worker, or _FORK; the last key of the prompt that ended there; the
         end key's index in the chain, the same in every chain holding it; the last key of
         the prompt that continued it, if one did)."""
@@ -78,39 +90,34 @@ class ServedEnds:
     def __len__(self) -> int:
         return len(self._ends)
 
-    def home(self, chain: PrefixChain, view: IndexView) -> str | None:
+    def lookup(self, chain: PrefixChain, view: IndexView) -> str | None:
         """The worker holding a prompt that `chain` continues (module docstring), if any."""
         depths, ends = view.depths, self._ends
         if not depths or not ends:
             return None
         keys = chain.keys
-        # No end beyond the deepest holder's depth is held; key 0 (model and tools) is
-        # every request's, so an end there names no conversation. The deepest remembered
-        # end first, found at C speed (a 32k-token prompt holds 500 keys).
-        held = keys[1 : min(max(depths.values()), len(keys))]
-        entry = next(filter(None, map(ends.get, reversed(held))), None)
+        # No end beyond the deepest holder's depth is held.
+        entry = self._deepest(keys, min(max(depths.values()), len(keys)))
         if entry is None:
             return None
         worker, ended, at, next_last = entry
         last = keys[-1]
-        if worker is not _FORK and last != ended and next_last != last:  # not a retry of either
-            if next_last is None:
-                ends[keys[at]] = (worker, ended, at, last)  # its one continuation, so far
-            else:
-                worker = _FORK  # a second prompt continues it: a shared prefix
-                ends[keys[at]] = (_FORK, ended, at, next_last)
-        if worker is _FORK or depths.get(worker, 0) <= at:
+        if worker is _FORK or (last != ended and next_last is not None and next_last != last):
+            return None  # a shared prefix, or this request would be its second continuation
+        if depths.get(worker, 0) <= at:
             return None
         return worker
 
-    def served(self, chain: PrefixChain, worker: str) -> None:
-        """Remember that `chain`'s prompt went to `worker`."""
-        keys = chain.keys
-        at = bisect.bisect_right(chain.cum_tokens, chain.total_tokens - END_SLACK_TOKENS) - 1
+    def record(self, worker: str, chain: PrefixChain) -> None:
+        """`chain`'s prompt was sent to `worker`: remember where it ended and, for a chain
+        without a reply (the only kind `lookup` is asked about), which end it continues."""
+        keys, cum = chain.keys, chain.cum_tokens
+        at = bisect.bisect_right(cum, chain.total_tokens - END_SLACK_TOKENS) - 1
         if at < 1:  # an end at key 0 names no conversation
             return
-        end, last = keys[at], keys[-1]
-        ends = self._ends
+        end, last, ends = keys[at], keys[-1], self._ends
+        if not chain.reply_depth:
+            self._continue(keys, self._deepest(keys, at + 1))
         previous = ends.pop(end, None)
         if previous is None or (previous[0] is not _FORK and previous[1] == last):
             # New, or the same prompt again (a retry, or re-ranked after queueing).
@@ -119,3 +126,23 @@ class ServedEnds:
             ends[end] = (_FORK, last, at, None)  # a second prompt ended here: a shared prefix
         if len(ends) > self._capacity:
             del ends[next(iter(ends))]
+
+    def _deepest(self, keys: Sequence[PrefixKey], stop: int) -> _Entry | None:
+        """The deepest remembered end among `keys[1:stop]`. Key 0 (model and tools) is
+        every request's, so an end there names no conversation. Found at C speed: a
+        32k-token prompt holds 500 keys."""
+        return next(filter(None, map(self._ends.get, reversed(keys[1:stop]))), None)
+
+    def _continue(self, keys: Sequence[PrefixKey], entry: _Entry | None) -> None:
+        """The prompt of `keys` continues the end `entry` (if any) of an earlier prompt."""
+        if entry is None:
+            return
+        worker, ended, at, next_last = entry
+        last = keys[-1]
+        if worker is _FORK or last == ended or next_last == last:
+            return  # a fork already, or a retry of the prompt that ended there or of its continuation
+        end = keys[at]
+        if next_last is None:
+            self._ends[end] = (worker, ended, at, last)  # its one continuation, so far
+        else:
+            self._ends[end] = (_FORK, ended, at, next_last)  # a second prompt continues it: a shared prefix
