@@ -114,3 +114,4 @@ async def test_a_dry_run_does_not_change_the_next_real_decision() -> None:
     assert (real.headers["x-kvroute-worker"], real.headers["x-kvroute-route-reason"]) == (home, "gpu_hit")
     # The dry run sent nothing anywhere.
     assert len(a.received) + len(b.received) == 2
+

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -19,13 +20,17 @@ from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 from normalizer.prefix import PrefixChain
 from normalizer.vllm_hash import BlockHasher
+from router.app import build_app
 from router.chain import EstimateChainBuilder
+from router.config_loader import flat_config
 from router.cost import CostModel
 from router.load import LocalLoadBoard
 from router.policies import make_policy
 from router.policies.bounded import within_bounds
 from router.precise.chain import chain_of_tokens
 from router.routing import RouteRequest, WorkerLoad
+from router.workers import WorkerSpec
+from tests.support.upstream import RecordingUpstream
 
 COST = CostModel()
 WORKERS = ("w0", "w1", "w2", "w3")
@@ -274,6 +279,38 @@ def test_the_policy_makes_the_continued_worker_a_home_and_keeps_no_state() -> No
     assert {(d.worker, d.reason) for d in spread} == {(spread[0].worker, "overload")} and spread[0].worker != "w0"
     home = [policy.choose(RouteRequest(chain, continues="w0"), view, loads, COST) for _ in range(3)]
     assert {(d.worker, d.reason) for d in home} == {("w0", "gpu_hit")}
+
+
+class EventFedChains(EstimateChainBuilder):
+    """Estimate chains, with the index kept by the workers' KV events as in precise mode."""
+
+    records_on_route = False
+
+
+async def test_a_sent_prompt_is_remembered_when_kv_events_keep_the_index() -> None:
+    """Precise mode: the router records nothing on the index, but it alone knows which prompt
+    it sent where, so a continuation without a reply still finds its home."""
+    base = "You are a careful completions agent. " * 60
+    first, then = base + "\nStep 1:", base + "\nStep 1: done." + " check" * 80
+    index, chains = MemoryIndex(1_000_000), EventFedChains()
+    with RecordingUpstream() as a, RecordingUpstream() as b:
+        config = flat_config(workers=[WorkerSpec("a", a.url), WorkerSpec("b", b.url)], policy="cache_aware")
+        app = build_app(config, index=index, chains=chains)
+        async with app.lifespan(app.api):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+
+                async def complete(prompt: str) -> httpx.Response:
+                    return await client.post("/v1/completions", json={"model": "rec-model", "prompt": prompt})
+
+                home = (await complete(first)).headers["x-kvroute-worker"]
+                sent = chains.build({"model": "rec-model", "prompt": first}, "completion")
+                assert index.lookup_sync(sent.keys).depths == {}  # the router did not record it
+                index.record_sync(home, sent.keys, key_tokens_of(sent.cum_tokens))  # the worker's KV events
+                for _ in range(6):  # its worker's recent count is over the cap: only a home stays
+                    app.loads.release(app.loads.acquire(home, 0.0))
+                real = await complete(then)
+    assert (real.headers["x-kvroute-worker"], real.headers["x-kvroute-route-reason"]) == (home, "gpu_hit")
 
 
 async def _grow_agent(url: str, turns: int, api: str, agent: int = 0) -> list[AgentTurn]:
