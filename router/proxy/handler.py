@@ -27,6 +27,7 @@ from typing import Any, Literal
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
 from cache_client.response_owners import MemoryResponseOwners
+from cache_client.served_ends import ServedEnds
 from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
 from router.chain import ChainBuilder, RequestKind
@@ -93,6 +94,7 @@ class Proxy:
         normalize: NormalizeOptions | None = None,
         pool_enabled: bool = False,
         affinity: ResponsesAffinity | None = None,
+        ends: ServedEnds | None = None,
     ) -> None:
         self.settings = settings
         self.normalize = normalize if normalize is not None else NormalizeOptions()
@@ -113,6 +115,9 @@ class Proxy:
         self.deadlines = Deadlines()
         self.affinity = affinity if affinity is not None else ResponsesAffinity(MemoryResponseOwners(), 3600.0)
         """Which worker stores each Responses-API response (router/proxy/stateful.py)."""
+        self.ends = ends if ends is not None else (ServedEnds() if policy.uses_index else None)
+        """Where the prompts sent to workers ended: which worker a request without a reply
+        continues (`RouteRequest.continues`). None when the policy reads no index."""
 
     # -- ASGI entry ---------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -184,19 +189,25 @@ class Proxy:
     async def decide(
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
     ) -> Routed:
-        """Everything between a canonical body and a worker: the part `/debug/route` explains."""
+        """Everything between a canonical body and a worker: the part `/debug/route` explains.
+        It only reads (the index, the loads, the ends memory): what routing a request teaches
+        the router is recorded when the request is sent (`_try_ranking`), so a dry run
+        changes no later decision."""
         if kind == "responses" and (prev := previous_id(body)) is not None:
             return await self._pinned(body, prev)
         candidates = self._candidates(model)
         if kind is None:
-            chain, view = _EMPTY_CHAIN, EMPTY_VIEW
+            chain, view, continues = _EMPTY_CHAIN, EMPTY_VIEW, None
         else:
             chain = self.chains.build(body, kind)
-            view = EMPTY_VIEW
+            view, continues = EMPTY_VIEW, None
             if self.policy.uses_index:
                 t0 = time.perf_counter()
                 view = await self.index.lookup(chain.keys)
                 self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
+                if self.ends is not None and not chain.reply_depth:
+                    # Read only: a dry run (/debug/route) must not change later decisions.
+                    continues = self.ends.lookup(chain, view)
         # Loads are read after the lookup: requests arriving while it awaits (a Redis round
         # trip) must see each other's tickets, or a burst all lands on one worker.
         loads = self.loads.snapshot([w.name for w in candidates])
@@ -209,7 +220,7 @@ class Proxy:
         if kind is None:
             decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
         else:
-            decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
+            decision = self.policy.choose(RouteRequest(chain, session_key, continues), view, loads, self.cost)
         return _new_routed(Routed, (decision, chain, view, loads))
 
     async def _pinned(self, body: dict[str, Any], response_id: str) -> Routed:
@@ -306,8 +317,11 @@ class Proxy:
             # One try on one worker, inline rather than a coroutine of its own: every frame
             # between the task and the upstream read is re-entered on each chunk relayed.
             try:
-                if self.chains.records_on_route and chain.keys:
-                    await self._record(name, chain)
+                if chain.keys:  # sent, not a dry run: what routing it teaches the router
+                    if self.ends is not None:
+                        self.ends.record(name, chain)
+                    if self.chains.records_on_route:
+                        await self._record(name, chain)
                 await attempt.run(ex)
                 return "answered"
             except AttemptFailed as exc:
