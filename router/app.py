@@ -32,6 +32,7 @@ from router.load import LoadBoard
 from router.metrics import CallbackGauge
 from router.proxy import PROXIED_PATHS, Proxy
 from router.proxy.admission import Admission
+from router.proxy.settings import Api, api_of
 from router.services import Services, build_services, start_all, stop_all
 from router.workers import Fleet
 
@@ -172,10 +173,10 @@ class KvrouteApp:
         if (
             self.api_keys is not None
             and scope["type"] == "http"
-            and scope["path"].startswith("/v1/")
+            and (scope["path"].startswith("/v1/") or scope["path"] in PROXIED_PATHS)
             and not self.api_keys.accepts_headers(scope["headers"])
         ):
-            await _unauthorized(send)
+            await _unauthorized(send, api_of(scope["path"]))
             return
         if (
             scope["type"] == "http"
@@ -190,9 +191,9 @@ class KvrouteApp:
             await self.api(scope, receive, send)
 
 
-async def _unauthorized(send) -> None:
+async def _unauthorized(send, api: Api) -> None:
     error = unauthorized()
-    body = error.body()
+    body = error.body(api)
     headers = [*error.headers(), (b"www-authenticate", b"Bearer"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 401, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
