@@ -83,11 +83,22 @@ def _check_responses(body: dict[str, Any]) -> None:
         raise _bad("Missing required parameter: 'input'.", "missing_required_parameter")
     if not isinstance(data, str) and not (isinstance(data, list) and all(isinstance(i, dict) for i in data)):
         raise _bad("'input' must be a string or an array of objects.", "invalid_type")
+    if isinstance(data, list):
+        for i, item in enumerate(data):
+            _check_strings(item, f"input[{i}]", ("type", "role"))
     for name in ("instructions", "previous_response_id"):
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise _bad(f"'{name}' must be a string.", "invalid_type")
     _check_tools(body)
+
+
+def _check_strings(obj: dict[str, Any], where: str, names: tuple[str, ...]) -> None:
+    """The discriminating fields the normalizer branches on, when present, are strings."""
+    for name in names:
+        value = obj.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"'{where}.{name}' must be a string.", "invalid_type")
 
 
 def _check_anthropic(body: dict[str, Any]) -> None:
@@ -100,6 +111,11 @@ def _check_anthropic(body: dict[str, Any]) -> None:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
             raise _bad(f"'messages[{i}]' must be an object whose 'role' is 'user' or 'assistant'.", "invalid_type")
+        content = msg.get("content")
+        if isinstance(content, list):
+            for j, block in enumerate(content):
+                if isinstance(block, dict):
+                    _check_strings(block, f"messages[{i}].content[{j}]", ("type",))
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise _bad("Missing required parameter: 'max_tokens'.", "missing_required_parameter")

@@ -131,6 +131,8 @@ BAD = [
     ("/v1/responses", {"model": MODEL, "input": "x", "tools": "t"}, "tools"),
     ("/v1/responses", {"model": MODEL, "input": "x", "stream": "yes"}, "stream"),
     ("/v1/responses", {"model": MODEL, "input": "x", "previous_response_id": 7}, "previous_response_id"),
+    ("/v1/responses", {"model": MODEL, "input": [{"role": []}]}, "role"),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": {}}]}]}, "type"),
     ("/tokenize", {"prompt": "x"}, "model"),
 ]
 
