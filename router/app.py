@@ -108,9 +108,12 @@ class KvrouteApp:
             api.router.routes.append(Route(path, endpoint=proxied, methods=["POST"]))
 
         @api.exception_handler(StarletteHTTPException)
-        async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-            return _error(exc.status_code, str(exc.detail), code, headers=getattr(exc, "headers", None))
+            # e.g. GET /v1/messages: a 405 in the endpoint's own shape.
+            body = RouterError(exc.status_code, str(exc.detail), code).body(api_of(request.url.path))
+            return Response(body, status_code=exc.status_code, media_type="application/json",
+                            headers=getattr(exc, "headers", None))
 
         @api.exception_handler(RequestValidationError)
         async def validation_error(_request: Request, exc: RequestValidationError) -> Response:

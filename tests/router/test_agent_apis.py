@@ -215,3 +215,12 @@ def test_session_key_takes_the_first_hint_in_order(headers: list, body: dict, ex
 
     ex = Exchange({"path": "/v1/messages", "headers": headers}, None, 0.0)
     assert session_key(ex, body) == expected
+
+
+async def test_wrong_method_on_messages_is_a_405_in_anthropic_shape() -> None:
+    async with running_app(config(workers=1), FakeUpstream([Answer()])) as app:
+        call = AsgiCall(app, "/v1/messages", b"")
+        call.scope["method"] = "GET"
+        response = await call.start().finish()
+    assert response.status == 405 and response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["type"] == "error"
