@@ -1,4 +1,4 @@
-"""The hot path: the proxied OpenAI endpoints as a raw ASGI handler.
+"""The hot path: the proxied endpoints (OpenAI's, Anthropic's Messages) as a raw ASGI handler.
 
 Per request: read the body (bounded), parse it once (orjson), canonicalize it, hash its
 prefix chain once, look the chain up in the index (at most one round trip), ask the policy,
@@ -7,7 +7,8 @@ the worker sends them, never parsed or re-serialised.
 
 Failures before the first byte (connect errors, 5xx answers, first-byte timeouts) are
 retried on the next worker of the policy's ranking; after the first byte a stream ends with
-an OpenAI-style error event and `[DONE]`. A client that disconnects cancels the handler,
+an error event in the endpoint's own stream format (relay.py). Errors the router answers
+itself are in the endpoint's error shape (`Exchange.endpoint.api`). A client that disconnects cancels the handler,
 which closes the upstream request so the engine aborts it and frees its KV blocks.
 
 This module is the request's outline: `Proxy.__call__` (the ASGI entry: body, errors,
@@ -134,7 +135,7 @@ class Proxy:
         except RouterError as exc:
             self.metrics.rejected.inc(exc.code)
             if not ex.started:
-                await send_whole(send, exc.status, exc.headers(), exc.body())
+                await send_whole(send, exc.status, exc.headers(), exc.body(ex.endpoint.api))
         except asyncio.CancelledError:
             if ex.disconnected:
                 self.metrics.client_disconnects.inc()
@@ -146,7 +147,7 @@ class Proxy:
                 if not ex.started:
                     error = RouterError(503, "The router is shutting down; retry.", "shutting_down", retry_after=1)
                     with contextlib.suppress(Exception):
-                        await send_whole(send, 503, error.headers(), error.body())
+                        await send_whole(send, 503, error.headers(), error.body(ex.endpoint.api))
             task.uncancel()  # type: ignore[union-attr]
         except Exception as exc:
             # A bug, not bad input: the client gets an OpenAI-style 500 (never a traceback),
@@ -156,7 +157,7 @@ class Proxy:
             self.metrics.rejected.inc("internal_error")
             if not ex.started:
                 error = RouterError(500, "Internal router error.", "internal_error")
-                await send_whole(send, 500, error.headers(), error.body())
+                await send_whole(send, 500, error.headers(), error.body(ex.endpoint.api))
         finally:
             if watcher is not None:
                 watcher.cancel()

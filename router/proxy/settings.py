@@ -1,18 +1,48 @@
-"""What the proxy serves and how it forwards: the proxied paths and `ProxySettings`."""
+"""What the proxy serves and how it forwards: the proxied endpoints and `ProxySettings`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from router.chain import RequestKind
 
-PROXIED_PATHS: dict[str, RequestKind | None] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-    "/v1/embeddings": None,
-    "/v1/responses": "responses",
+Api = Literal["openai", "anthropic"]
+"""Whose error shapes an endpoint speaks (router/errors.py)."""
+
+
+class Endpoint(NamedTuple):
+    """One proxied path: the kind of prompt it carries (None: a pass-through, routed on
+    load alone among the workers serving the model) and whose error shapes it answers in."""
+
+    kind: RequestKind | None
+    api: Api = "openai"
+
+
+OPENAI_PASS_THROUGH = Endpoint(None)
+
+PROXIED_PATHS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint("chat"),
+    "/v1/completions": Endpoint("completion"),
+    "/v1/responses": Endpoint("responses"),
+    "/v1/messages": Endpoint("messages", "anthropic"),
+    "/v1/messages/count_tokens": Endpoint(None, "anthropic"),
+    "/v1/embeddings": OPENAI_PASS_THROUGH,
+    "/tokenize": OPENAI_PASS_THROUGH,
+    "/detokenize": OPENAI_PASS_THROUGH,
+    "/v1/rerank": OPENAI_PASS_THROUGH,
+    "/rerank": OPENAI_PASS_THROUGH,
+    "/v2/rerank": OPENAI_PASS_THROUGH,
+    "/v1/score": OPENAI_PASS_THROUGH,
+    "/score": OPENAI_PASS_THROUGH,
 }
-"""Path -> the kind of prompt it carries (None: embeddings, routed on load alone)."""
+"""Path -> its `Endpoint` (every one is POST)."""
+
+
+def api_of(path: str) -> Api:
+    """The error shape a path answers in (OpenAI's unless it is an Anthropic endpoint)."""
+    endpoint = PROXIED_PATHS.get(path)
+    return endpoint.api if endpoint is not None else "openai"
 
 
 @dataclass(frozen=True)
