@@ -35,9 +35,11 @@ def _check_model(body: dict[str, Any]) -> str:
     return model
 
 
-def validate(body: dict[str, Any], kind: RequestKind | None) -> str:
-    """Check the fields the router itself relies on; the worker validates the rest."""
-    model = _check_model(body)
+def validate(body: dict[str, Any], kind: RequestKind | None, model_optional: bool = False) -> str:
+    """Check the fields the router itself relies on; the worker validates the rest.
+
+    Returns the model ("" when it is optional and absent: any worker may serve it)."""
+    model = "" if model_optional and body.get("model") is None else _check_model(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean.", "invalid_type")

@@ -82,7 +82,7 @@ class Exchange:
         """Parse the body once, check it, and serialise its canonical form for forwarding."""
         kind = self.kind = self.endpoint.kind
         body = parse_body(raw)
-        self.model = validate(body, kind)
+        self.model = validate(body, kind, self.endpoint.model_optional)
         try:
             body = canonical(body, kind, normalize)
             self.payload = orjson.dumps(body)

@@ -175,7 +175,7 @@ class Proxy:
 
     # -- routing ------------------------------------------------------------------------
     def _candidates(self, model: str) -> list[Worker]:
-        candidates = self.fleet.candidates(model)
+        candidates = self.fleet.candidates(model or None)  # "": a pass-through without a model
         if candidates:
             return candidates
         known = any(model in w.models for w in self.fleet)

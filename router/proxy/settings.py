@@ -17,9 +17,13 @@ class Endpoint(NamedTuple):
 
     kind: RequestKind | None
     api: Api = "openai"
+    model_optional: bool = False
+    """vLLM's tokenize/detokenize/rerank/score take `model` as optional (one model per
+    engine): without it the request goes to any worker serving."""
 
 
 OPENAI_PASS_THROUGH = Endpoint(None)
+_MODEL_OPTIONAL = Endpoint(None, model_optional=True)
 
 PROXIED_PATHS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint("chat"),
@@ -28,13 +32,13 @@ PROXIED_PATHS: dict[str, Endpoint] = {
     "/v1/messages": Endpoint("messages", "anthropic"),
     "/v1/messages/count_tokens": Endpoint(None, "anthropic"),
     "/v1/embeddings": OPENAI_PASS_THROUGH,
-    "/tokenize": OPENAI_PASS_THROUGH,
-    "/detokenize": OPENAI_PASS_THROUGH,
-    "/v1/rerank": OPENAI_PASS_THROUGH,
-    "/rerank": OPENAI_PASS_THROUGH,
-    "/v2/rerank": OPENAI_PASS_THROUGH,
-    "/v1/score": OPENAI_PASS_THROUGH,
-    "/score": OPENAI_PASS_THROUGH,
+    "/tokenize": _MODEL_OPTIONAL,
+    "/detokenize": _MODEL_OPTIONAL,
+    "/v1/rerank": _MODEL_OPTIONAL,
+    "/rerank": _MODEL_OPTIONAL,
+    "/v2/rerank": _MODEL_OPTIONAL,
+    "/v1/score": _MODEL_OPTIONAL,
+    "/score": _MODEL_OPTIONAL,
 }
 """Path -> its `Endpoint` (every one is POST)."""
 

@@ -113,6 +113,14 @@ async def test_pass_through_endpoints_are_forwarded_as_sent(path: str) -> None:
     assert response.headers["x-kvroute-route-reason"] == "least_loaded"
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/rerank", "/v1/score"])
+async def test_pass_throughs_where_vllm_makes_the_model_optional_need_none(path: str) -> None:
+    upstream = FakeUpstream([Answer()])
+    async with running_app(config(workers=2), upstream) as app:
+        response = await post(app, path, {"prompt": "x", "tokens": [1, 2]})
+    assert response.status == 200 and upstream.posts[0].path == path
+
+
 BAD = [
     ("/v1/messages", {"model": MODEL, "max_tokens": 5}, "messages"),
     ("/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": []}, "messages"),
@@ -133,7 +141,8 @@ BAD = [
     ("/v1/responses", {"model": MODEL, "input": "x", "previous_response_id": 7}, "previous_response_id"),
     ("/v1/responses", {"model": MODEL, "input": [{"role": []}]}, "role"),
     ("/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": {}}]}]}, "type"),
-    ("/tokenize", {"prompt": "x"}, "model"),
+    ("/tokenize", {"model": 7, "prompt": "x"}, "model"),
+    ("/v1/embeddings", {"input": "x"}, "model"),
 ]
 
 
