@@ -71,13 +71,13 @@ def fuzz_schema() -> dict:
         if not ops:
             del spec["paths"][path]
     schemas = spec["components"]["schemas"]
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest", "PassThroughRequest"):
         props = schemas[name]["properties"]
         props["model"] = {"type": "string", "enum": [SIM_MODEL]}
         # The router does not read these; huge values would only test how long the
         # simulator takes to decode 100k tokens.
-        for field in ("max_tokens", "max_completion_tokens"):
-            if field in props:
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            if field in props or (name, field) == ("ResponsesRequest", "max_output_tokens"):
                 props[field] = {"type": "integer", "minimum": 1, "maximum": 64}
     schemas["EmbeddingRequest"]["properties"]["model"] = {"type": "string", "enum": [EMB_MODEL]}
     return spec

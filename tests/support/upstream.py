@@ -89,7 +89,12 @@ class RecordingUpstream:
         async def health(_request: Request) -> Response:
             return Response(status_code=200)
 
-        return Starlette(routes=[
+        async def not_found(_request: Request, _exc: Exception) -> Response:
+            # An OpenAI-style error, the shape vLLM answers its own errors in.
+            error = {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}
+            return JSONResponse({"error": error}, status_code=404)
+
+        return Starlette(exception_handlers={404: not_found}, routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
