@@ -28,6 +28,9 @@ class IndexSettings:
     Llama-3-8B, see `cache_client.memory.DEFAULT_CAPACITY_TOKENS`)."""
     pool_capacity_tokens: int = 0
     """>0: the workers share an LMCache CPU pool of this many tokens."""
+    responses_owner_ttl_s: float = 3600.0
+    """How long the router remembers which worker stores a Responses-API response
+    (`previous_response_id` affinity, cache_client/response_owners.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from router.load import LoadBoard
 from router.metrics import CallbackGauge
 from router.proxy import PROXIED_PATHS, Proxy
 from router.proxy.admission import Admission
+from router.proxy.stateful import RESPONSES_BY_ID
 from router.services import Services, build_services, start_all, stop_all
 from router.workers import Fleet
 
@@ -183,6 +184,10 @@ class KvrouteApp:
             and scope["path"] in PROXIED_PATHS
         ):
             await self.proxy(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"].startswith(RESPONSES_BY_ID):
+            # GET/DELETE /v1/responses/{id}, .../cancel, .../input_items: to the owner only.
+            await self.proxy.affinity.by_id(self.proxy, scope, receive, send)
             return
         # Starlette re-raises after its 500 handler has answered, for the server to log with
         # a traceback; internal_error has logged a redacted line already.

@@ -54,7 +54,7 @@ FLAT_KEYS: dict[str, Slot] = {
     **_same("server", "host", "port", "processes", "log_level"),
     "redis": ("redis", "url"),
     **_prefixed("redis", "redis_", "prefix", "ttl_s", "lookup_budget_ms"),
-    **_same("index", "kv_capacity_tokens", "pool_capacity_tokens"),
+    **_same("index", "kv_capacity_tokens", "pool_capacity_tokens", "responses_owner_ttl_s"),
     **_same("routing", "load_factor", "recent_half_life_s"),
     **_prefixed("cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms"),
     "normalize_tool_schemas": ("normalize", "tool_schemas"),
@@ -93,6 +93,8 @@ HELP = {
     "redis_lookup_budget_ms": "longest a lookup waits for Redis before routing on the local view",
     "pool_capacity_tokens": "the workers share an LMCache CPU pool of this many tokens (0: no pool)",
     "kv_capacity_tokens": "KV capacity of each worker in tokens, for the LRU capacity model",
+    "responses_owner_ttl_s": "how long the router remembers which worker stores a /v1/responses response "
+    "(previous_response_id and GET/DELETE /v1/responses/{id} go there)",
     "processes": "router processes on one port (share state through --redis)",
     "api_keys": "client API keys accepted on /v1/* (comma-separated, repeatable; env KVROUTE_API_KEYS); "
     "prefer --api-keys-file, a flag shows in ps",

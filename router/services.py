@@ -19,6 +19,7 @@ import httpx
 
 from cache_client.base import POOL, IndexObserver, PrefixIndex
 from cache_client.memory import MemoryIndex
+from cache_client.response_owners import MemoryResponseOwners, RedisResponseOwners, ResponseOwners
 from router.auth import KeyCheck
 from router.breaker import OutlierDetector
 from router.chain import ChainBuilder, EstimateChainBuilder
@@ -32,6 +33,7 @@ from router.policies import Policy, make_policy
 from router.precise import PreciseMode, build_precise
 from router.proxy import Proxy
 from router.proxy.admission import Admission
+from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
 from router.workers import Fleet
 
@@ -132,6 +134,16 @@ def redis_components(config: RouterConfig, observer: IndexObserver | None = None
     return {"index": index, "loads": loads}
 
 
+def response_owners(config: RouterConfig, index: PrefixIndex) -> ResponseOwners:
+    """Who stores each Responses-API response: in Redis beside the index when it is shared
+    there (every replica agrees), else in this process."""
+    from cache_client.redis_index import RedisIndex
+
+    if isinstance(index, RedisIndex):
+        return RedisResponseOwners(index.backend, prefix=config.redis.prefix)
+    return MemoryResponseOwners()
+
+
 def _health_client(config: RouterConfig) -> httpx.AsyncClient:
     p = config.proxy
     return httpx.AsyncClient(
@@ -178,6 +190,7 @@ def build_services(
     proxy = Proxy(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
+        affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(

@@ -132,11 +132,14 @@ class Attempt:
             headers = response_headers(upstream.headers, self.worker.name, self.reason)
             proxy.metrics.requests.inc(self.worker.name, self.reason, str(status))
             ex.started = True
+            learner = proxy.learner(ex, self.worker.name) if ex.kind == "responses" and status == 200 else None
             if not relay:
+                if learner is not None:
+                    await learner.from_body(first)
                 ex.finished = True
                 await send_whole(ex.send, status, headers, first)
                 return
-            await relay_stream(ex, self, headers, first, chunks, flight)
+            await relay_stream(ex, self, headers, first, chunks, flight, learner)
         finally:
             deadlines.done(flight)
             if self.upstream is not None:

@@ -89,7 +89,7 @@ class Exchange:
             raise RouterError(400, "The request body is nested too deeply.", "invalid_body") from None
         self.body = body
         self.session_key = self.header(b"x-session-id") or body.get("user")
-        self.headers = _upstream_headers(self.scope, settings.forward_client_auth)
+        self.headers = upstream_headers(self.scope, settings.forward_client_auth)
         self.stream = body.get("stream") is True
 
     def header(self, name: bytes) -> str | None:
@@ -110,7 +110,7 @@ def canonical(body: dict[str, Any], kind: RequestKind | None, normalize: Normali
 _CANONICALIZE = {"responses": canonicalize_responses_body, "messages": canonicalize_messages_body}
 
 
-def _upstream_headers(scope: dict, forward_client_auth: bool) -> Headers:
+def upstream_headers(scope: dict, forward_client_auth: bool) -> Headers:
     headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST_HEADERS]
     if forward_client_auth:
         headers += [(k, v) for k, v in scope["headers"] if k == b"authorization"]

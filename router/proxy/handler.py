@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
+from cache_client.response_owners import MemoryResponseOwners
 from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
 from router.chain import ChainBuilder, RequestKind
@@ -41,6 +42,7 @@ from router.proxy.deadlines import Deadlines
 from router.proxy.exchange import Disconnected, Exchange, canonical, read_body
 from router.proxy.relay import send_whole
 from router.proxy.settings import ProxySettings
+from router.proxy.stateful import Learner, ResponsesAffinity, owner_unavailable, previous_id
 from router.proxy.upstream import Headers, UpstreamClient, UpstreamResponse, make_upstream_client
 from router.routing import Routed, RouteRequest
 from router.workers import Fleet, Worker
@@ -62,6 +64,9 @@ class _NotStarted:
     """The forwarding client before `Proxy.start()`: a request then is a bug, said plainly."""
 
     async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> UpstreamResponse:
+        raise RuntimeError("the proxy forwards only once started (Proxy.start)")
+
+    async def request(self, method: str, base_url: str, path: str, headers: Headers, body: bytes = b"") -> UpstreamResponse:
         raise RuntimeError("the proxy forwards only once started (Proxy.start)")
 
     async def aclose(self) -> None:
@@ -87,6 +92,7 @@ class Proxy:
         *,
         normalize: NormalizeOptions | None = None,
         pool_enabled: bool = False,
+        affinity: ResponsesAffinity | None = None,
     ) -> None:
         self.settings = settings
         self.normalize = normalize if normalize is not None else NormalizeOptions()
@@ -105,6 +111,8 @@ class Proxy:
         self.client: UpstreamClient = client if client is not None else _NOT_STARTED
         """The forwarding client: the one given, or `settings.upstream_client`'s from `start()`."""
         self.deadlines = Deadlines()
+        self.affinity = affinity if affinity is not None else ResponsesAffinity(MemoryResponseOwners(), 3600.0)
+        """Which worker stores each Responses-API response (router/proxy/stateful.py)."""
 
     # -- ASGI entry ---------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -177,6 +185,8 @@ class Proxy:
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
     ) -> Routed:
         """Everything between a canonical body and a worker: the part `/debug/route` explains."""
+        if kind == "responses" and (prev := previous_id(body)) is not None:
+            return await self._pinned(body, prev)
         candidates = self._candidates(model)
         if kind is None:
             chain, view = _EMPTY_CHAIN, EMPTY_VIEW
@@ -202,6 +212,22 @@ class Proxy:
             decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
         return _new_routed(Routed, (decision, chain, view, loads))
 
+    async def _pinned(self, body: dict[str, Any], response_id: str) -> Routed:
+        """A request continuing a stored response: its owner only (the owner lookup is the
+        request's one round trip, in place of the index lookup)."""
+        chain = self.chains.build(body, "responses")
+        decision, _ = await self.affinity.pin(self, response_id, chain)
+        loads = self.loads.snapshot([decision.worker])
+        return _new_routed(Routed, (decision, chain, EMPTY_VIEW, loads))
+
+    def learner(self, ex: Exchange, worker: str) -> Learner | None:
+        """Records who answered a `/v1/responses` request (unless it is not stored)."""
+        choice = ex.choice
+        if choice is None:
+            return None
+        prior = choice.decision.cached_tokens if previous_id(ex.body) is not None else 0
+        return self.affinity.learner(ex.body, worker, choice.chain.total_tokens, prior)
+
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:
         admission = self.admission
@@ -223,6 +249,9 @@ class Proxy:
         finally:
             if ex.turn:
                 admission.end_turn()
+        if ex.kind == "responses" and (prev := previous_id(ex.body)) is not None:
+            # Pinned: no other worker stores that response (it would answer 404).
+            raise owner_unavailable(prev)
         raise RouterError(502, f"The request failed on every worker tried ({ex.last_error}).", "upstream_unavailable")
 
     def _observe_route(self, ex: Exchange, choice: Routed) -> None:

@@ -24,6 +24,7 @@ from router.proxy.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from router.proxy.attempt import Attempt
+    from router.proxy.stateful import Learner
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -53,8 +54,10 @@ async def send_whole(send: Any, status: int, headers: Headers, body: bytes) -> N
 
 
 async def relay_stream(
-    ex: Exchange, attempt: Attempt, headers: Headers, first: bytes, chunks: AsyncIterator[bytes], flight: Flight
+    ex: Exchange, attempt: Attempt, headers: Headers, first: bytes, chunks: AsyncIterator[bytes], flight: Flight,
+    learner: Learner | None = None,
 ) -> None:
+    """`learner`: a `/v1/responses` stream, whose id is looked for in the chunks already sent."""
     proxy = attempt.proxy
     metrics = proxy.metrics
     send = ex.send
@@ -64,9 +67,13 @@ async def relay_stream(
     try:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
+        if learner is not None:
+            learner.feed(first)
         async for chunk in chunks:
             flight.extend(loop.time() + idle)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if learner is not None:
+                learner.feed(chunk)
     except asyncio.CancelledError:
         if flight.expired is None:
             if ex.disconnected:
@@ -88,6 +95,8 @@ async def relay_stream(
         attempt.interrupted("stream broken")
         tail = stream_failed(metrics, f"the worker connection failed ({exc})")
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
+    if learner is not None:
+        await learner.settle()
     ex.finished = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 

@@ -10,6 +10,7 @@ PROXIED_PATHS: dict[str, RequestKind | None] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
     "/v1/embeddings": None,
+    "/v1/responses": "responses",
 }
 """Path -> the kind of prompt it carries (None: embeddings, routed on load alone)."""
 

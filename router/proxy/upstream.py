@@ -63,6 +63,9 @@ class UpstreamResponse(Protocol):
 
 class UpstreamClient(Protocol):
     async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> UpstreamResponse: ...
+    async def request(
+        self, method: str, base_url: str, path: str, headers: Headers, body: bytes = b""
+    ) -> UpstreamResponse: ...
     async def aclose(self) -> None: ...
 
 
@@ -439,9 +442,13 @@ class RawUpstreamClient:
         return pool
 
     async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> RawResponse:
+        return await self.request("POST", base_url, path, headers, body)
+
+    async def request(self, method: str, base_url: str, path: str, headers: Headers, body: bytes = b"") -> RawResponse:
+        """`method` PATH (a query string included) with `body`; `post` is this with POST."""
         pool = self._pool(base_url)
         o = pool.origin
-        head = [b"POST ", o.prefix, path.encode(), b" HTTP/1.1\r\nhost: ", o.host_header, b"\r\n"]
+        head = [method.encode(), b" ", o.prefix, path.encode(), b" HTTP/1.1\r\nhost: ", o.host_header, b"\r\n"]
         for k, v in headers:
             head += (k, b": ", v, b"\r\n")
         head += (b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body)
@@ -515,8 +522,11 @@ class HttpxUpstreamClient:
         )
 
     async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> _HttpxResponse:
+        return await self.request("POST", base_url, path, headers, body)
+
+    async def request(self, method: str, base_url: str, path: str, headers: Headers, body: bytes = b"") -> _HttpxResponse:
         httpx = self._httpx
-        request = self._client.build_request("POST", base_url + path, content=body, headers=headers)
+        request = self._client.build_request(method, base_url + path, content=body, headers=headers)
         try:
             return _HttpxResponse(await self._client.send(request, stream=True))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -573,10 +583,13 @@ class AiohttpUpstreamClient:
         )
 
     async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> _AiohttpResponse:
+        return await self.request("POST", base_url, path, headers, body)
+
+    async def request(self, method: str, base_url: str, path: str, headers: Headers, body: bytes = b"") -> _AiohttpResponse:
         aiohttp = self._aiohttp
         try:
-            r = await self._session.post(
-                base_url + path, data=body, allow_redirects=False,
+            r = await self._session.request(
+                method, base_url + path, data=body, allow_redirects=False,
                 headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
             )
         except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as exc:

@@ -73,3 +73,17 @@ def test_processes_children_rebuild_the_same_config(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("KVROUTE__SERVE_CONFIG_JSON", raising=False)
     hand_to_children(config)
     assert config_for_child() == config
+
+
+def test_responses_owner_ttl_from_flag_env_and_yaml_reaches_the_proxy(tmp_path: Path) -> None:
+    from router.services import build_services
+
+    yaml_file = tmp_path / "kvroute.yaml"
+    yaml_file.write_text("index:\n  responses_owner_ttl_s: 60\n")
+    assert RouterConfig().index.responses_owner_ttl_s == 3600.0
+    assert load_config([*WORKER, "--config", str(yaml_file)], {}).index.responses_owner_ttl_s == 60.0
+    from_env = load_config([*WORKER, "--config", str(yaml_file)], {"KVROUTE_RESPONSES_OWNER_TTL_S": "120"})
+    assert from_env.index.responses_owner_ttl_s == 120.0
+    config = load_config([*WORKER, "--responses-owner-ttl-s", "30"], {"KVROUTE_RESPONSES_OWNER_TTL_S": "120"})
+    assert config.index.responses_owner_ttl_s == 30.0
+    assert build_services(config).proxy.affinity.ttl_s == 30.0

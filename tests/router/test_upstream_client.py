@@ -157,3 +157,26 @@ async def test_clients_behind_the_interface_agree(upstream: RecordingUpstream) -
                 await client.post(f"http://127.0.0.1:{free_port()}", "/v1/chat/completions", HEADERS, CHAT)
         finally:
             await client.aclose()
+
+
+@pytest.mark.parametrize("kind", ["raw", "httpx"])
+async def test_request_sends_other_methods(upstream: RecordingUpstream, kind: str) -> None:
+    """`request(method, ...)` (used for GET/DELETE /v1/responses/{id}) sends the method named,
+    with no body, and the raw client's connection stays reusable for the next POST."""
+    client = make_upstream_client(connect_timeout_s=5.0, max_connections=8, kind=kind)
+    try:
+        r = await client.request("GET", upstream.url, "/v1/models", HEADERS)
+        assert r.status == 200 and orjson.loads(await r.read())["data"][0]["id"]
+        await r.aclose()
+        r = await client.request("DELETE", upstream.url, "/v1/models", HEADERS)
+        assert r.status == 405  # the route takes GET only: the method went as DELETE
+        await r.read()
+        await r.aclose()
+        r = await client.post(upstream.url, "/v1/chat/completions", HEADERS, CHAT)
+        assert r.status == 200 and upstream.received[-1].body == CHAT
+        await r.read()
+        await r.aclose()
+        if isinstance(client, RawUpstreamClient):
+            assert client._pools[upstream.url].open == 1  # one connection carried all three
+    finally:
+        await client.aclose()

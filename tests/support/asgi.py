@@ -74,6 +74,7 @@ class Post:
     path: str
     headers: Headers
     body: bytes
+    method: str = "POST"
 
 
 class FakeUpstream:
@@ -86,7 +87,10 @@ class FakeUpstream:
         self.closed = False
 
     async def post(self, base_url: str, path: str, headers: Headers, body: bytes) -> FakeResponse:
-        self.posts.append(Post(base_url, path, headers, body))
+        return await self.request("POST", base_url, path, headers, body)
+
+    async def request(self, method: str, base_url: str, path: str, headers: Headers, body: bytes = b"") -> FakeResponse:
+        self.posts.append(Post(base_url, path, headers, body, method))
         answer = self.answers[min(len(self.posts), len(self.answers)) - 1]
         if answer.post_error is not None:
             raise answer.post_error
@@ -137,12 +141,13 @@ class AsgiCall:
     the client go away."""
 
     def __init__(
-        self, app: Any, path: str, body: dict[str, Any] | bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+        self, app: Any, path: str, body: dict[str, Any] | bytes, headers: Sequence[tuple[bytes, bytes]] = (),
+        method: str = "POST",
     ) -> None:
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         self.app = app
         self.scope: dict[str, Any] = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
             "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
             "headers": [
