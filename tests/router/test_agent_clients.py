@@ -29,9 +29,11 @@ class Seen:
     """Path, status and serving worker of every request a client sent."""
 
     requests: list[tuple[str, int, str | None]] = field(default_factory=list)
+    reasons: list[str | None] = field(default_factory=list)
 
     def hook(self, response: httpx.Response) -> None:
         self.requests.append((response.request.url.path, response.status_code, response.headers.get("x-kvroute-worker")))
+        self.reasons.append(response.headers.get("x-kvroute-route-reason"))
 
     async def ahook(self, response: httpx.Response) -> None:
         self.hook(response)
@@ -41,7 +43,7 @@ class Seen:
         assert {(p, s) for p, s, _ in self.requests} == {(path, 200)}, self.requests
         workers = [w for _, _, w in self.requests]
         assert workers[0] is not None
-        assert workers == [workers[0]] * len(workers), workers
+        assert workers == [workers[0]] * len(workers), list(zip(workers, self.reasons, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,8 @@ def _agent_and_config(base_url: str, model: str, seen: Seen) -> tuple[Any, Any, 
     return agent, config, http
 
 
-QUESTIONS = [f"question {i}: what is the weather and time in city {i}?" for i in range(5)]
+def _questions(tag: str) -> list[str]:
+    return [f"{tag} question {i}: what is the weather and time in city {i}?" for i in range(5)]
 
 
 def test_agents_sdk_to_input_list_five_turns(router: Any, model: str) -> None:
@@ -99,7 +102,7 @@ def test_agents_sdk_to_input_list_five_turns(router: Any, model: str) -> None:
         agent, config, http = _agent_and_config(router.url, model, seen)
         try:
             items: list[Any] = []
-            for q in QUESTIONS:
+            for q in _questions("fed back"):
                 result = await Runner.run(agent, [*items, {"role": "user", "content": q}], run_config=config)
                 assert result.final_output
                 assert any(item.type == "tool_call_output_item" for item in result.new_items)
@@ -122,7 +125,7 @@ def test_agents_sdk_chained_with_previous_response_id(router: Any, model: str) -
         agent, config, http = _agent_and_config(router.url, model, seen)
         try:
             previous: str | None = None
-            for q in QUESTIONS:
+            for q in _questions("chained"):
                 result = await Runner.run(agent, q, run_config=config, previous_response_id=previous)
                 assert result.final_output
                 previous = result.last_response_id
