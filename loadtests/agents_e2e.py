@@ -55,8 +55,9 @@ INSTRUCTIONS = "You are the operations assistant. Use the tools to answer. " * 6
 
 
 class Stack:
-    def __init__(self, venv: Path, model: Path, logdir: Path, replicas: int) -> None:
+    def __init__(self, venv: Path, model: Path, logdir: Path, replicas: int, router_args: list[str]) -> None:
         self.venv, self.model, self.logdir, self.n_replicas = venv, model, logdir, replicas
+        self.router_args = router_args
         self.workers: dict[str, str] = {}
         self.replicas: list[str] = []
         self.procs: list[Proc] = []
@@ -86,6 +87,7 @@ class Stack:
             *(a for name, url in self.workers.items() for a in ("--worker", f"{name}={url}")),
             "--redis", "redis://127.0.0.1:6379", "--redis-prefix", self.prefix,
             "--admin-token", ADMIN_TOKEN, "--health-interval-s", "1", "--log-level", "warning",
+            *self.router_args,
         ]  # fmt: skip
         proc = start(f"kvroute-{i}", cmd, self.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(proc)
@@ -295,7 +297,8 @@ def anthropic_sdk(base_url: str, stream: bool, turns: int = 4) -> dict[str, Any]
             messages.append({"role": "user", "content": f"{'stream' if stream else 'create'} turn {i}: weather in city {i}?"})
             kwargs = {
                 "model": MODEL_NAME, "max_tokens": 12, "system": INSTRUCTIONS, "tools": TOOLS, "messages": messages,
-                "temperature": 1.0, "extra_body": {"stop_token_ids": STOP_IDS},
+                # This anthropic release has no `temperature` argument: sent as extra body.
+                "extra_body": {"temperature": 1.0, "stop_token_ids": STOP_IDS},
             }  # fmt: skip
             if stream:
                 with client.messages.stream(**kwargs) as s:
@@ -351,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chains", type=int, default=50)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--router-arg", action="append", default=[], help="extra `kvroute serve` argument (repeatable)")
     args = ap.parse_args(argv)
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="agents-e2e-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(args.venv, args.model, logdir, args.replicas)
+    stack = Stack(args.venv, args.model, logdir, args.replicas, args.router_arg)
     report: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "logdir": str(logdir)}
     code = 1
     with stop_children_on_signals():
