@@ -16,6 +16,7 @@ request itself carries (the stateful routing is the router's, see router/proxy/s
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from normalizer.canonical import (
@@ -29,6 +30,17 @@ _SYSTEM_ROLES = frozenset({"system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 
 _DEFAULTS = NormalizeOptions()
+
+# vLLM's names for a namespace's functions and a custom tool's function shim
+# (vllm/tool_parsers/utils.py).
+NAMESPACE_SEPARATOR = "__"
+CUSTOM_TOOL_INPUT_KEY = "input"
+CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {CUSTOM_TOOL_INPUT_KEY: {"type": "string", "description": "The freeform text payload for this tool."}},
+    "required": [CUSTOM_TOOL_INPUT_KEY],
+    "additionalProperties": False,
+}
 
 
 def _canonical_parts(content: Any) -> Any:
@@ -72,76 +84,154 @@ def canonicalize_responses_body(body: dict[str, Any], options: NormalizeOptions 
     return out
 
 
-def _text_of_parts(content: Any) -> Any:
-    """Message content as chat content: text parts joined, anything else kept as parts."""
-    if not isinstance(content, list):
-        return content
-    texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in _TEXT_PARTS]
-    if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-        return "".join(texts)  # type: ignore[arg-type]
-    return content
+def _function_tool(tool: dict[str, Any], name: Any) -> dict[str, Any]:
+    """One function tool as vLLM dumps it for the template (`FunctionDefinition`):
+    `description` and `parameters` always (null when absent), `strict` / `defer_loading`
+    only when set."""
+    fn: dict[str, Any] = {"name": name, "description": tool.get("description"), "parameters": tool.get("parameters")}
+    for key in ("strict", "defer_loading"):
+        if tool.get(key) is not None:
+            fn[key] = tool[key]
+    return {"type": "function", "function": fn}
 
 
 def chat_tools(tools: Any) -> list[Any] | None:
-    """Responses function tools as chat tools; built-in tools (web search, ...) as given."""
+    """The tools vLLM shows the model (`get_function_tools`), in request order: function
+    tools, a namespace's functions as `<namespace>__<name>`, custom tools as a one-string
+    function shim. Built-in tools (web search, ...) are not rendered: dropped."""
     if not isinstance(tools, list) or not tools:
         return None
     out: list[Any] = []
     for tool in tools:
-        if isinstance(tool, dict) and tool.get("type") == "function" and "function" not in tool:
-            fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-            out.append({"type": "function", "function": fn})
-        else:
-            out.append(tool)
-    return out
+        if not isinstance(tool, dict):
+            continue
+        kind = tool.get("type")
+        if kind == "function" and isinstance(tool.get("function"), dict):
+            out.append(tool)  # already in chat form
+        elif kind == "function":
+            out.append(_function_tool(tool, tool.get("name")))
+        elif kind == "namespace":
+            for sub in tool.get("tools") or ():
+                if isinstance(sub, dict) and sub.get("type") == "function":
+                    out.append(_function_tool(sub, f"{tool.get('name')}{NAMESPACE_SEPARATOR}{sub.get('name')}"))
+        elif kind == "custom":
+            shim = {"description": tool.get("description"), "parameters": CUSTOM_TOOL_PARAMETERS}
+            out.append(_function_tool(shim, tool.get("name")))
+    return out or None
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:
-    parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list):
-        return ""
-    return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    """vLLM keeps the first content part's text, else the first summary part's."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts and isinstance(parts[0], dict):
+            return str(parts[0].get("text", ""))
+    return ""
 
 
-def _append_item(messages: list[dict[str, Any]], item: Any) -> None:
-    if not isinstance(item, dict):
-        messages.append({"role": "user", "content": item})
-        return
-    kind = item.get("type", "message")
-    if kind == "function_call":
-        call = {
-            "id": item.get("call_id", item.get("id", "")),
-            "type": "function",
-            "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")},
-        }
-        last = messages[-1] if messages else None
-        if last is not None and last.get("role") == "assistant" and not last.get("content"):
-            # Parallel calls of one turn: one assistant message, as the model produced them.
-            last.setdefault("tool_calls", []).append(call)
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": item.get("output", "")})
-    elif kind == "reasoning":
-        messages.append({"role": "assistant", "content": None, "reasoning": _reasoning_text(item)})
+def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
+    name = item.get("name", "")
+    if item.get("type") == "custom_tool_call":
+        # The custom tool's payload as the shim function's one argument, as vLLM encodes it.
+        arguments = json.dumps({CUSTOM_TOOL_INPUT_KEY: item.get("input") or ""}, ensure_ascii=False)
     else:
-        messages.append({"role": str(item.get("role", "user")), "content": _text_of_parts(item.get("content"))})
+        arguments = item.get("arguments", "")
+        if item.get("namespace"):
+            name = f"{item['namespace']}{NAMESPACE_SEPARATOR}{name}"
+    return {"id": item.get("call_id", ""), "function": {"name": name, "arguments": arguments}, "type": "function"}
+
+
+def _assistant_text(item: dict[str, Any]) -> str | None:
+    """An assistant message's text as vLLM takes it: the content string, or its first part's."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        text = content[0].get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _merge(prev: dict[str, Any] | None, key: str, value: Any, message: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM folds an item into the previous assistant message while that message has no
+    `key` yet (a reasoning item, its text and its calls are one turn); else a new message."""
+    if prev is not None and prev.get(key) is None:
+        prev[key] = value
+        return None
+    return message
+
+
+def _message_of(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's `_construct_message_from_response_item`: a new chat message, or None when
+    the item was folded into `prev` (the previous message, if it is the assistant's)."""
+    if not isinstance(item, dict):
+        return {"role": "user", "content": item}
+    kind = item.get("type", "message")
+    if kind in ("function_call", "custom_tool_call"):
+        call = _tool_call(item)
+        if prev is not None and isinstance(prev.get("tool_calls"), list):
+            prev["tool_calls"] = [*prev["tool_calls"], call]  # a new list: the input is not modified
+            return None
+        return _merge(prev, "tool_calls", [call], {"role": "assistant", "tool_calls": [call]})
+    if kind == "reasoning":
+        text = _reasoning_text(item)
+        return _merge(prev, "reasoning", text, {"role": "assistant", "reasoning": text})
+    if kind in ("function_call_output", "custom_tool_call_output"):
+        return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+    if item.get("role") == "assistant":
+        text = _assistant_text(item)
+        if text is not None:
+            return _merge(prev, "content", text, {"role": "assistant", "content": text})
+    # Other messages (user / system / developer) go to the template as given: their
+    # content parts are joined there, one line each.
+    return item
+
+
+def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        prev = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+        message = _message_of(item, prev)
+        if message is not None:
+            messages.append(message)
+    return messages
+
+
+def _continues_final(items: Any) -> bool:
+    """vLLM continues (no generation prompt) a final assistant message or reasoning item
+    that is still in progress."""
+    if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
+        return False
+    last = items[-1]
+    return last.get("type", "message") in ("message", "reasoning") and last.get("status") in ("in_progress", "incomplete")
 
 
 def as_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat request a Responses request renders as: `model`, `messages`, `tools`."""
+    """The chat request a Responses request renders as (vLLM's `construct_input_messages`,
+    `construct_tool_dicts` and `build_chat_params`): `model`, `messages`, `tools`, and
+    the template kwargs the request sets. Items are copied, never modified."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
+    if instructions:
         messages.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
     elif isinstance(items, list):
-        for item in items:
-            _append_item(messages, item)
-    chat: dict[str, Any] = {"model": body.get("model", ""), "messages": messages}
+        messages.extend(chat_messages([dict(i) if isinstance(i, dict) else i for i in items]))
+    # vLLM tokenizes a rendered Responses prompt with the tokenizer's special tokens (its
+    # TokenizeParams default), unlike a chat completion's: a template that writes the BOS
+    # itself gets a second one, and the engine's prompt starts with both.
+    chat: dict[str, Any] = {"model": body.get("model", ""), "messages": messages, "add_special_tokens": True}
     tools = chat_tools(body.get("tools"))
     if tools is not None:
         chat["tools"] = tools
+    if _continues_final(items):
+        chat["add_generation_prompt"] = False
+        chat["continue_final_message"] = True
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    if isinstance(body.get("chat_template_kwargs"), dict):
+        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
     return chat

@@ -146,7 +146,7 @@ async def explain(services: Services, path: str, body: dict[str, Any], session_h
     candidates (all but cache_aware) show the candidates' loads only.
     """
     proxy = services.proxy
-    kind = PROXIED_PATHS[path]
+    kind = PROXIED_PATHS[path].kind
     model = validate(body, kind)
     body = proxy.canonical(body, kind)
     routed = await proxy.decide(body, kind, model, session_header or body.get("user"))

@@ -32,6 +32,7 @@ from router.load import LoadBoard
 from router.metrics import CallbackGauge
 from router.proxy import PROXIED_PATHS, Proxy
 from router.proxy.admission import Admission
+from router.proxy.settings import Api, api_of
 from router.proxy.stateful import RESPONSES_BY_ID
 from router.services import Services, build_services, start_all, stop_all
 from router.workers import Fleet
@@ -108,9 +109,12 @@ class KvrouteApp:
             api.router.routes.append(Route(path, endpoint=proxied, methods=["POST"]))
 
         @api.exception_handler(StarletteHTTPException)
-        async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-            return _error(exc.status_code, str(exc.detail), code, headers=getattr(exc, "headers", None))
+            # e.g. GET /v1/messages: a 405 in the endpoint's own shape.
+            body = RouterError(exc.status_code, str(exc.detail), code).body(api_of(request.url.path))
+            return Response(body, status_code=exc.status_code, media_type="application/json",
+                            headers=getattr(exc, "headers", None))
 
         @api.exception_handler(RequestValidationError)
         async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
@@ -173,10 +177,10 @@ class KvrouteApp:
         if (
             self.api_keys is not None
             and scope["type"] == "http"
-            and scope["path"].startswith("/v1/")
+            and (scope["path"].startswith("/v1/") or scope["path"] in PROXIED_PATHS)
             and not self.api_keys.accepts_headers(scope["headers"])
         ):
-            await _unauthorized(send)
+            await _unauthorized(send, api_of(scope["path"]))
             return
         if (
             scope["type"] == "http"
@@ -195,9 +199,9 @@ class KvrouteApp:
             await self.api(scope, receive, send)
 
 
-async def _unauthorized(send) -> None:
+async def _unauthorized(send, api: Api) -> None:
     error = unauthorized()
-    body = error.body()
+    body = error.body(api)
     headers = [*error.headers(), (b"www-authenticate", b"Bearer"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 401, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -35,9 +35,11 @@ def _check_model(body: dict[str, Any]) -> str:
     return model
 
 
-def validate(body: dict[str, Any], kind: RequestKind | None) -> str:
-    """Check the fields the router itself relies on; the worker validates the rest."""
-    model = _check_model(body)
+def validate(body: dict[str, Any], kind: RequestKind | None, model_optional: bool = False) -> str:
+    """Check the fields the router itself relies on; the worker validates the rest.
+
+    Returns the model ("" when it is optional and absent: any worker may serve it)."""
+    model = "" if model_optional and body.get("model") is None else _check_model(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean.", "invalid_type")
@@ -63,7 +65,70 @@ def validate(body: dict[str, Any], kind: RequestKind | None) -> str:
             raise _bad("Missing required parameter: 'prompt'.", "missing_required_parameter")
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
             raise _bad("'prompt' must be a string or a non-empty array.", "invalid_type")
+    elif kind == "responses":
+        _check_responses(body)
+    elif kind == "messages":
+        _check_anthropic(body)
     return model
+
+
+def _check_tools(body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _bad("'tools' must be an array of objects.", "invalid_type")
+
+
+def _check_responses(body: dict[str, Any]) -> None:
+    """A Responses request: `input` a string or an array of items (objects)."""
+    data = body.get("input")
+    if data is None:
+        raise _bad("Missing required parameter: 'input'.", "missing_required_parameter")
+    if not isinstance(data, str) and not (isinstance(data, list) and all(isinstance(i, dict) for i in data)):
+        raise _bad("'input' must be a string or an array of objects.", "invalid_type")
+    if isinstance(data, list):
+        for i, item in enumerate(data):
+            _check_strings(item, f"input[{i}]", ("type", "role"))
+    for name in ("instructions", "previous_response_id"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"'{name}' must be a string.", "invalid_type")
+    _check_tools(body)
+
+
+def _check_strings(obj: dict[str, Any], where: str, names: tuple[str, ...]) -> None:
+    """The discriminating fields the normalizer branches on, when present, are strings."""
+    for name in names:
+        value = obj.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"'{where}.{name}' must be a string.", "invalid_type")
+
+
+def _check_anthropic(body: dict[str, Any]) -> None:
+    """An Anthropic Messages request: `messages`, `max_tokens` (required by Anthropic), `system`."""
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("Missing required parameter: 'messages'.", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array.", "invalid_type")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
+            raise _bad(f"'messages[{i}]' must be an object whose 'role' is 'user' or 'assistant'.", "invalid_type")
+        content = msg.get("content")
+        if isinstance(content, list):
+            for j, block in enumerate(content):
+                if isinstance(block, dict):
+                    _check_strings(block, f"messages[{i}].content[{j}]", ("type",))
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        raise _bad("Missing required parameter: 'max_tokens'.", "missing_required_parameter")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise _bad("'max_tokens' must be an integer.", "invalid_type")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str) and not (
+        isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in system)
+    ):
+        raise _bad("'system' must be a string or an array of text blocks.", "invalid_type")
+    _check_tools(body)
 
 
 def _check_messages(messages: list[Any]) -> None:

@@ -30,6 +30,10 @@ class WorkerLoad:
 class RouteRequest:
     chain: PrefixChain
     session_key: str | None = None
+    continues: str | None = None
+    """For a chain without a reply (`reply_depth` 0): the worker holding a prompt this
+    request continues, as the router's memory of where its prompts ended answers it
+    (`cache_client.served_ends.ServedEnds.lookup`); None if it continues none it knows."""
 
 
 class CandidateScore(NamedTuple):

@@ -3,7 +3,9 @@
 #
 # Creates or reuses the vLLM venv and the tiny model (setup_env.sh), then runs the
 # end-to-end checks (run_e2e.py), all of them counts of tokens, none a timing: exactness
-# against /tokenize, reuse (precise cache_aware has the engines reuse >= 90% of the
+# against /tokenize, agent APIs (Responses / Messages requests: the router's tokens equal
+# vLLM's /v1/responses/render and /v1/messages/render, and a follow-up turn reuses exactly
+# the predicted blocks; 7 cases, a few seconds), reuse (precise cache_aware has the engines reuse >= 90% of the
 # reusable prompt tokens of a workload that overflows one worker), (a) predicted == actual
 # cached tokens per request, (c) a moved conversation is a pool hit of exactly the
 # predicted tokens. The TTFT comparison with random is a benchmark, not a check:
@@ -36,7 +38,7 @@ echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
 "$PY" - "$REPORT" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-names = ("exactness", "reuse", "a", "c")
+names = ("exactness", "agent", "reuse", "a", "c")
 passed = sum(1 for k in names if isinstance(r.get(k), dict) and r[k].get("ok"))
 print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s")
 EOF

@@ -92,6 +92,13 @@ COST_FLAGS = [
     "--cost-pool-load-us", "20", "--cost-inflight-penalty-ms", "30",
 ]
 
+# What the agent APIs need from a vLLM 0.32 worker (issue 14): tool calls parsed from the
+# output (hermes: the tiny model's template writes <tool_call> blocks), /v1/responses/render
+# and /v1/messages/render (--enable-scale-out; the exactness checks), and the Responses
+# store, without which `store: true` / `previous_response_id` requests are refused.
+AGENT_API_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-scale-out"]
+AGENT_API_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+
 ENV_QUIET = {
     # Nothing leaves this machine: no usage reporting, no hub lookups.
     "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
@@ -212,10 +219,10 @@ class Stack:
             "--dtype", "bfloat16", "--max-model-len", "8192", "--block-size", str(BLOCK),
             "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
             "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            *AGENT_API_FLAGS,
             "--host", "127.0.0.1", "--port", str(w.port),
         ]
-        env = {**self.env(), "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}
         w.proc = start(name, cmd, self.logdir, env)
         self.workers.append(w)
         return w
@@ -451,6 +458,72 @@ def phase_exactness(stack: Stack, router_url: str) -> dict[str, Any]:
     return {"cases": rows, "ok": all(r["equal"] for r in rows)}
 
 
+def _next_turn(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """`body` one user turn longer: the engine reuses what the two prompts share."""
+    turn = {"role": "user", "content": "one more question"}
+    if kind == "messages":
+        return {**body, "messages": [*body["messages"], turn]}
+    items = body["input"]
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    return {**body, "input": [*items, turn]}
+
+
+def _agent_reuse(stack: Stack, tok: Any, kind: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Send `body`, then its next turn, to one worker's own endpoint; the engine's prefix
+    hits on the second must be the full blocks the two prompts share by the router's
+    tokens of their chat forms (what precise mode predicts from the first one's KV events)."""
+    from loadtests.vllm_e2e.cases import AGENT_RENDER, agent_body
+
+    as_chat = chat_form_of(kind)
+    first, second = body, _next_turn(kind, body)
+    t1, t2 = tok.chat_tokens(as_chat(first)), tok.chat_tokens(as_chat(second))
+    shared = next((i for i, (a, b) in enumerate(zip(t1, t2, strict=False)) if a != b), min(len(t1), len(t2)))
+    predicted = min(shared, len(t2) - 1) // BLOCK * BLOCK
+    reset_caches(stack)
+    w = stack.workers[0]
+    endpoint = AGENT_RENDER[kind][0].removesuffix("/render")
+    httpx.post(w.url + endpoint, json=agent_body(kind, first, MODEL_NAME), timeout=120).raise_for_status()
+    time.sleep(0.4)  # the LMCache store of the first request, as settle() waits for
+    before = worker_counters(w)
+    httpx.post(w.url + endpoint, json=agent_body(kind, second, MODEL_NAME), timeout=120).raise_for_status()
+    after = worker_counters(w)
+    actual = int(after["hits"] - before["hits"] + after["external"] - before["external"])
+    return {"case": f"{kind}/{name}", "predicted_cached": predicted, "actual_cached": actual,
+            "prompt_tokens": len(t2), "equal": predicted == actual}
+
+
+def chat_form_of(kind: str) -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from normalizer import anthropic, responses
+
+    return responses.as_chat if kind == "responses" else anthropic.as_chat
+
+
+def phase_agent(stack: Stack) -> dict[str, Any]:
+    """Responses and Messages requests (issue 14): the router's tokens of their chat form
+    equal the prompt vLLM renders for them (/v1/responses/render, /v1/messages/render) on
+    every worker, and a follow-up turn's engine reuse is exactly the predicted blocks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from loadtests.vllm_e2e.cases import AGENT_RENDER, render_agent
+    from router.precise import ModelTokenizer
+
+    tok = ModelTokenizer.from_dir(stack.model)
+    rows, reuse = [], []
+    for kind, (_, cases) in AGENT_RENDER.items():
+        as_chat = chat_form_of(kind)
+        for name, body in cases.items():
+            mine = tok.chat_tokens(as_chat(body))
+            for w in stack.workers:
+                want = render_agent(w.url, kind, body, MODEL_NAME)
+                rows.append({"worker": w.name, "case": f"{kind}/{name}", "equal": mine == want, "tokens": len(want)})
+            reuse.append(_agent_reuse(stack, tok, kind, name, body))
+    return {
+        "cases": rows, "reuse": reuse,
+        "predicted_cached_total": sum(r["predicted_cached"] for r in reuse),
+        "ok": all(r["equal"] for r in rows + reuse) and sum(r["predicted_cached"] for r in reuse) > 0,
+    }
+
+
 def reusable_tokens(results: list[Result]) -> int:
     """Prompt tokens an engine that kept every conversation could serve from its prefix
     cache: each follow-up turn's previous prompt in whole blocks (that prompt's last,
@@ -648,7 +721,7 @@ def phase_prediction_and_pool(stack: Stack, args: argparse.Namespace) -> tuple[d
     return a, c
 
 
-CHECKS = ("exactness", "reuse", "a", "c")
+CHECKS = ("exactness", "agent", "reuse", "a", "c")
 """The report's pass/fail sections; `b` (--ttft-benchmark) is a measurement, not one of them."""
 
 
@@ -694,7 +767,9 @@ def start_fleet(stack: Stack) -> None:
 
 def run_phases(stack: Stack, args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Every phase in turn, each one's result and wall time into `report` as it ends."""
-    phases: list[tuple[str, Any]] = [("exactness", lambda: phase_exactness(stack, ""))]
+    phases: list[tuple[str, Any]] = [
+        ("exactness", lambda: phase_exactness(stack, "")), ("agent", lambda: phase_agent(stack)),
+    ]
     if args.capture_tokenize:
         from loadtests.vllm_e2e.cases import write_fixture
 

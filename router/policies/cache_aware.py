@@ -18,10 +18,20 @@ worker holding most of its prefix only for a predicted gain of more than one eng
 (`CostModel.step_s`): smaller differences are noise in the router's view of the queues, and
 moving duplicates the conversation's KV on a second worker.
 
-A conversation's home is a worker holding the prompt of its previous turn (the chain's
-`reply_depth`): while that worker's queues are negligible the recent-count cap does not
-move the conversation (`bounded.within_bounds`), however much of the recent traffic is the
-conversation's own. New sessions on a hot prefix have no home and are spread as before.
+A conversation's home is a worker holding the prompt of its previous turn: while that
+worker's queues are negligible the recent-count cap does not move the conversation
+(`bounded.within_bounds`), however much of the recent traffic is the conversation's own.
+The previous turn is found
+* by its reply: a worker holding the chain up to `reply_depth` (the keys before the last
+  assistant message) served the turn that message answers;
+* else, for requests without one (completions agents resending a growing prompt, one-message
+  chat replays, precise token chains), by `RouteRequest.continues`: the worker a prompt
+  this request extends went to, if the index still shows it holding that prompt (the
+  proxy's memory of where the prompts it sent ended, `cache_client/served_ends.py`,
+  answers it before the decision: the policy itself keeps no state).
+A shared prefix is neither: new sessions on a hot system prompt carry no reply, extend no
+placed prompt (the first session's prompt went on past the shared part, so the sessions
+fork inside it), have no home and are spread as before.
 """
 
 from __future__ import annotations
@@ -52,7 +62,10 @@ class CacheAwarePolicy:
         chain = request.chain
         total = chain.total_tokens
         pool = chain.tokens_at_depth(view.depth(POOL))
-        homes = {w.name for w in loads if chain.reply_depth and view.depth(w.name) >= chain.reply_depth}
+        if chain.reply_depth:
+            homes = {w.name for w in loads if view.depth(w.name) >= chain.reply_depth}
+        else:  # no reply names the previous turn: a prompt the router sent may
+            homes = {request.continues} if request.continues is not None else set()
         eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}

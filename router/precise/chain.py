@@ -40,6 +40,10 @@ class PreciseChainBuilder:
     def tokens(self, body: Mapping[str, Any], kind: RequestKind) -> list[int]:
         if kind == "completion":
             return self.tokenizer.completion_tokens(body)
+        if kind == "responses" and (body.get("previous_response_id") or body.get("conversation")):
+            # The engine prepends a stored conversation the router never sees: no exact
+            # tokens, and a chain of the visible part would match the wrong prefixes.
+            raise UnsupportedRequest("a Responses request continuing a stored response")
         return self.tokenizer.chat_tokens(chat_form(dict(body), kind))
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:

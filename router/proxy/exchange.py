@@ -19,7 +19,7 @@ from normalizer.canonical import canonicalize_body
 from normalizer.responses import canonicalize_responses_body
 from router.chain import RequestKind
 from router.errors import RouterError
-from router.proxy.settings import PROXIED_PATHS, ProxySettings
+from router.proxy.settings import PROXIED_PATHS, Endpoint, ProxySettings
 from router.requests import parse_body, validate
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class Disconnected(Exception):
 
 class Exchange:
     __slots__ = (
-        "arrived", "attempts", "body", "choice", "disconnected", "finished", "headers", "kind",
+        "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "headers", "kind",
         "last_error", "model", "payload", "queue_deadline", "scope", "send", "session_key",
         "started", "stream", "tried", "turn",
     )  # fmt: skip
@@ -55,6 +55,8 @@ class Exchange:
         self.send = send
         self.arrived = arrived
         """perf_counter() when the request arrived: route and TTFT metrics count from here."""
+        self.endpoint: Endpoint = PROXIED_PATHS[scope["path"]]
+        """What the path carries and whose error shapes it answers in (known before the body)."""
         self.started = False
         self.finished = False
         self.disconnected = False
@@ -78,9 +80,9 @@ class Exchange:
 
     def load(self, raw: bytes, settings: ProxySettings, normalize: NormalizeOptions) -> None:
         """Parse the body once, check it, and serialise its canonical form for forwarding."""
-        kind = self.kind = PROXIED_PATHS[self.scope["path"]]
+        kind = self.kind = self.endpoint.kind
         body = parse_body(raw)
-        self.model = validate(body, kind)
+        self.model = validate(body, kind, self.endpoint.model_optional)
         try:
             body = canonical(body, kind, normalize)
             self.payload = orjson.dumps(body)
@@ -88,7 +90,7 @@ class Exchange:
             # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.
             raise RouterError(400, "The request body is nested too deeply.", "invalid_body") from None
         self.body = body
-        self.session_key = self.header(b"x-session-id") or body.get("user")
+        self.session_key = session_key(self, body)
         self.headers = upstream_headers(self.scope, settings.forward_client_auth)
         self.stream = body.get("stream") is True
 
@@ -97,6 +99,25 @@ class Exchange:
             if k == name:
                 return v.decode("latin-1")
         return None
+
+
+def session_key(ex: Exchange, body: dict[str, Any]) -> str | None:
+    """The client's hint that requests belong to one conversation, first found of: the
+    `x-session-id` header, aiperf's `x-session-affinity` header, the OpenAI
+    `prompt_cache_key` (meant for exactly this routing), Anthropic's `metadata.user_id`,
+    then `user`. Only strings count (validate checks `user`; the others are optional hints)."""
+    key = ex.header(b"x-session-id") or ex.header(b"x-session-affinity")
+    if key:
+        return key
+    hint = body.get("prompt_cache_key")
+    if isinstance(hint, str) and hint:
+        return hint
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        hint = metadata.get("user_id")
+        if isinstance(hint, str) and hint:
+            return hint
+    return body.get("user")
 
 
 def canonical(body: dict[str, Any], kind: RequestKind | None, normalize: NormalizeOptions) -> dict[str, Any]:

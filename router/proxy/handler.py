@@ -1,4 +1,4 @@
-"""The hot path: the proxied OpenAI endpoints as a raw ASGI handler.
+"""The hot path: the proxied endpoints (OpenAI's, Anthropic's Messages) as a raw ASGI handler.
 
 Per request: read the body (bounded), parse it once (orjson), canonicalize it, hash its
 prefix chain once, look the chain up in the index (at most one round trip), ask the policy,
@@ -7,7 +7,8 @@ the worker sends them, never parsed or re-serialised.
 
 Failures before the first byte (connect errors, 5xx answers, first-byte timeouts) are
 retried on the next worker of the policy's ranking; after the first byte a stream ends with
-an OpenAI-style error event and `[DONE]`. A client that disconnects cancels the handler,
+an error event in the endpoint's own stream format (relay.py). Errors the router answers
+itself are in the endpoint's error shape (`Exchange.endpoint.api`). A client that disconnects cancels the handler,
 which closes the upstream request so the engine aborts it and frees its KV blocks.
 
 This module is the request's outline: `Proxy.__call__` (the ASGI entry: body, errors,
@@ -27,6 +28,7 @@ from typing import Any, Literal
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
 from cache_client.response_owners import MemoryResponseOwners
+from cache_client.served_ends import ServedEnds
 from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
 from router.chain import ChainBuilder, RequestKind
@@ -93,6 +95,7 @@ class Proxy:
         normalize: NormalizeOptions | None = None,
         pool_enabled: bool = False,
         affinity: ResponsesAffinity | None = None,
+        ends: ServedEnds | None = None,
     ) -> None:
         self.settings = settings
         self.normalize = normalize if normalize is not None else NormalizeOptions()
@@ -113,6 +116,9 @@ class Proxy:
         self.deadlines = Deadlines()
         self.affinity = affinity if affinity is not None else ResponsesAffinity(MemoryResponseOwners(), 3600.0)
         """Which worker stores each Responses-API response (router/proxy/stateful.py)."""
+        self.ends = ends if ends is not None else (ServedEnds() if policy.uses_index else None)
+        """Where the prompts sent to workers ended: which worker a request without a reply
+        continues (`RouteRequest.continues`). None when the policy reads no index."""
 
     # -- ASGI entry ---------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -129,7 +135,7 @@ class Proxy:
         except RouterError as exc:
             self.metrics.rejected.inc(exc.code)
             if not ex.started:
-                await send_whole(send, exc.status, exc.headers(), exc.body())
+                await send_whole(send, exc.status, exc.headers(), exc.body(ex.endpoint.api))
         except asyncio.CancelledError:
             if ex.disconnected:
                 self.metrics.client_disconnects.inc()
@@ -141,7 +147,7 @@ class Proxy:
                 if not ex.started:
                     error = RouterError(503, "The router is shutting down; retry.", "shutting_down", retry_after=1)
                     with contextlib.suppress(Exception):
-                        await send_whole(send, 503, error.headers(), error.body())
+                        await send_whole(send, 503, error.headers(), error.body(ex.endpoint.api))
             task.uncancel()  # type: ignore[union-attr]
         except Exception as exc:
             # A bug, not bad input: the client gets an OpenAI-style 500 (never a traceback),
@@ -151,7 +157,7 @@ class Proxy:
             self.metrics.rejected.inc("internal_error")
             if not ex.started:
                 error = RouterError(500, "Internal router error.", "internal_error")
-                await send_whole(send, 500, error.headers(), error.body())
+                await send_whole(send, 500, error.headers(), error.body(ex.endpoint.api))
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -169,7 +175,7 @@ class Proxy:
 
     # -- routing ------------------------------------------------------------------------
     def _candidates(self, model: str) -> list[Worker]:
-        candidates = self.fleet.candidates(model)
+        candidates = self.fleet.candidates(model or None)  # "": a pass-through without a model
         if candidates:
             return candidates
         known = any(model in w.models for w in self.fleet)
@@ -184,19 +190,25 @@ class Proxy:
     async def decide(
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
     ) -> Routed:
-        """Everything between a canonical body and a worker: the part `/debug/route` explains."""
+        """Everything between a canonical body and a worker: the part `/debug/route` explains.
+        It only reads (the index, the loads, the ends memory): what routing a request teaches
+        the router is recorded when the request is sent (`_try_ranking`), so a dry run
+        changes no later decision."""
         if kind == "responses" and (prev := previous_id(body)) is not None:
             return await self._pinned(body, prev)
         candidates = self._candidates(model)
         if kind is None:
-            chain, view = _EMPTY_CHAIN, EMPTY_VIEW
+            chain, view, continues = _EMPTY_CHAIN, EMPTY_VIEW, None
         else:
             chain = self.chains.build(body, kind)
-            view = EMPTY_VIEW
+            view, continues = EMPTY_VIEW, None
             if self.policy.uses_index:
                 t0 = time.perf_counter()
                 view = await self.index.lookup(chain.keys)
                 self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
+                if self.ends is not None and not chain.reply_depth:
+                    # Read only: a dry run (/debug/route) must not change later decisions.
+                    continues = self.ends.lookup(chain, view)
         # Loads are read after the lookup: requests arriving while it awaits (a Redis round
         # trip) must see each other's tickets, or a burst all lands on one worker.
         loads = self.loads.snapshot([w.name for w in candidates])
@@ -209,7 +221,7 @@ class Proxy:
         if kind is None:
             decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
         else:
-            decision = self.policy.choose(RouteRequest(chain, session_key), view, loads, self.cost)
+            decision = self.policy.choose(RouteRequest(chain, session_key, continues), view, loads, self.cost)
         return _new_routed(Routed, (decision, chain, view, loads))
 
     async def _pinned(self, body: dict[str, Any], response_id: str) -> Routed:
@@ -306,8 +318,11 @@ class Proxy:
             # One try on one worker, inline rather than a coroutine of its own: every frame
             # between the task and the upstream read is re-entered on each chunk relayed.
             try:
-                if self.chains.records_on_route and chain.keys:
-                    await self._record(name, chain)
+                if chain.keys:  # sent, not a dry run: what routing it teaches the router
+                    if self.ends is not None:
+                        self.ends.record(name, chain)
+                    if self.chains.records_on_route:
+                        await self._record(name, chain)
                 await attempt.run(ex)
                 return "answered"
             except AttemptFailed as exc:

@@ -4,8 +4,9 @@ A whole answer (`send_whole`) leaves in one body message, with its length. A str
 (`relay_stream`) is relayed chunk by chunk as the worker sends it, never parsed or
 re-serialised; each chunk costs one `send` and a float store that moves the flight's idle
 deadline on (router/proxy/deadlines.py: no timer per chunk). A stream that breaks after its
-first byte ends with an OpenAI-style error event (`stream_interrupted`) and `data: [DONE]`,
-which clients parse, rather than a cut connection.
+first byte ends with an error event in the endpoint's stream format (`stream_interrupted`:
+chat and completions with `data: [DONE]` after it), which clients parse, rather than a cut
+connection.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from router.errors import sse_error_event
+from router.errors import stream_error_tail
 from router.metrics import RouterMetrics
 from router.proxy.deadlines import Flight
 from router.proxy.exchange import Exchange, Headers
@@ -80,20 +81,20 @@ async def relay_stream(
                 raise
             # Cancelled by the server: the graceful-shutdown grace period ran out. End
             # the stream the way the client can parse rather than cutting it.
-            tail = stream_failed(metrics, "the router is shutting down")
+            tail = stream_failed(metrics, "the router is shutting down", ex.kind)
             ex.finished = True
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         if flight.expired == "total":
-            tail = stream_failed(metrics, "the request exceeded its total timeout")
+            tail = stream_failed(metrics, "the request exceeded its total timeout", ex.kind)
         else:
             attempt.interrupted("stream stalled")
-            tail = stream_failed(metrics, "the worker stopped sending (timeout)")
+            tail = stream_failed(metrics, "the worker stopped sending (timeout)", ex.kind)
     except UpstreamError as exc:
         attempt.interrupted("stream broken")
-        tail = stream_failed(metrics, f"the worker connection failed ({exc})")
+        tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
     if learner is not None:
         await learner.settle()
@@ -101,8 +102,9 @@ async def relay_stream(
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-def stream_failed(metrics: RouterMetrics, why: str) -> bytes:
-    """The tail of a stream that broke after its first byte: an error event, then [DONE]."""
+def stream_failed(metrics: RouterMetrics, why: str, kind: str | None = None) -> bytes:
+    """The tail of a stream that broke after its first byte: an error event in the
+    endpoint's own stream format (router/errors.py `stream_error_tail`)."""
     metrics.stream_errors.inc()
     log.warning("stream broken after its first byte: %s", why)
-    return sse_error_event(f"The stream was interrupted: {why}.", "stream_interrupted")
+    return stream_error_tail(kind, f"The stream was interrupted: {why}.", "stream_interrupted")

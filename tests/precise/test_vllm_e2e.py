@@ -55,6 +55,14 @@ def test_router_tokenizes_exactly_like_the_workers(report: dict) -> None:
     assert {c["case"].split("/")[0] for c in report["exactness"]["cases"]} == {"chat", "completion"}
 
 
+def test_agent_requests_tokenize_and_reuse_exactly(report: dict) -> None:
+    agent = report["agent"]
+    bad = [c for c in agent["cases"] + agent["reuse"] if not c["equal"]]
+    assert not bad, bad
+    assert {c["case"].split("/")[0] for c in agent["cases"]} == {"responses", "messages"}
+    assert agent["predicted_cached_total"] > 0
+
+
 def test_predicted_cached_tokens_match_engine_reuse(report: dict) -> None:
     a = report["a"]
     wrong = [r for r in a["requests"] if not r["within_one_block"]]

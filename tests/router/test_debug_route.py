@@ -82,3 +82,36 @@ async def test_debug_route_reports_the_numbers_the_policy_ranked_by() -> None:
         assert row["within_load_bound"] == score.within_bound
     assert why["cost_model"]["inflight_penalty_s"] == app.proxy.cost.inflight_penalty_s
     assert why["cost_model"]["step_s"] == app.proxy.cost.step_s
+
+
+async def test_a_dry_run_does_not_change_the_next_real_decision() -> None:
+    """A dry run of a second continuation of a prompt must not mark that prompt a shared
+    prefix: the real continuation still finds its home (the worker its prompt went to)."""
+    base = "You are a careful completions agent. " * 60
+    first, one, two = base + "\nStep 1:", base + "\nStep 1: done." + " check" * 80, base + "\nOther:" + " plan" * 80
+    with RecordingUpstream() as a, RecordingUpstream() as b:
+        config = flat_config(
+            workers=[WorkerSpec("a", a.url), WorkerSpec("b", b.url)], policy="cache_aware", admin_token=TOKEN
+        )
+        app = build_app(config, index=MemoryIndex(1_000_000))
+        async with app.lifespan(app.api):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+
+                async def complete(prompt: str) -> httpx.Response:
+                    return await client.post("/v1/completions", json={"model": "rec-model", "prompt": prompt})
+
+                home = (await complete(first)).headers["x-kvroute-worker"]
+                for _ in range(6):  # its worker's recent count is over the cap: only a home stays
+                    app.loads.release(app.loads.acquire(home, 0.0))
+                dry = await client.post(
+                    "/debug/route", params={"path": "/v1/completions"}, json={"model": "rec-model", "prompt": two},
+                    headers={"authorization": f"Bearer {TOKEN}"},
+                )
+                assert dry.status_code == 200, dry.text
+                real = await complete(one)
+    assert dry.json()["chosen"]["worker"] == home  # the first continuation of `first`, so far
+    assert (real.headers["x-kvroute-worker"], real.headers["x-kvroute-route-reason"]) == (home, "gpu_hit")
+    # The dry run sent nothing anywhere.
+    assert len(a.received) + len(b.received) == 2
+

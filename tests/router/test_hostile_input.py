@@ -15,13 +15,16 @@ from hypothesis import strategies as st
 from normalizer.canonical import NormalizeOptions, canonicalize_body
 from router.chain import EstimateChainBuilder
 from router.errors import RouterError
+from router.proxy.exchange import canonical
 from router.requests import parse_body, validate
 from tests.support.upstream import RecordingUpstream
 
 pytestmark = pytest.mark.router_process(extra_args=["--max-body-bytes", "100000"])
 
 FIELDS = ["model", "messages", "prompt", "role", "content", "tool_calls", "function", "arguments", "name",
-          "tool_call_id", "type", "text", "tools", "functions", "stream", "user"]
+          "tool_call_id", "type", "text", "tools", "functions", "stream", "user", "input", "instructions",
+          "system", "max_tokens", "tool_use", "tool_result", "input_schema", "function_call", "function_call_output",
+          "call_id", "output", "user_id", "metadata", "assistant"]
 scalars = (
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
     | st.text(max_size=6) | st.sampled_from(FIELDS)
@@ -46,9 +49,13 @@ bodies = st.fixed_dictionaries(
         "functions": values,
         "stream": st.booleans() | values,
         "user": st.text(max_size=5) | values,
+        "input": st.text(max_size=5) | st.lists(values, max_size=4) | values,
+        "instructions": st.text(max_size=5) | values,
+        "system": st.text(max_size=5) | st.lists(values, max_size=3) | values,
+        "max_tokens": st.integers(0, 10) | values,
     },
 )
-KINDS = st.sampled_from(["chat", "completion", None])
+KINDS = st.sampled_from(["chat", "completion", "responses", "messages", None])
 
 
 def route_pipeline(raw: bytes, kind) -> None:
@@ -56,7 +63,7 @@ def route_pipeline(raw: bytes, kind) -> None:
     body = parse_body(raw)
     validate(body, kind)
     if kind is not None:
-        body = canonicalize_body(body, NormalizeOptions())
+        body = canonical(body, kind, NormalizeOptions())
         EstimateChainBuilder().build(body, kind)
     orjson.dumps(body)
 
@@ -171,3 +178,40 @@ def test_unknown_paths_and_methods_get_openai_errors(router) -> None:
         r = httpx.request(method, router.url + path, timeout=10)
         assert r.status_code == status, (method, path, r.status_code)
         assert r.json()["error"]["message"]
+
+
+# Bodies that pass the Responses and Messages checks, with hostile content inside: what
+# validates must go through the normalizer and the chain builder without raising.
+agent_items = st.dictionaries(st.sampled_from(["type", "role", "content", "arguments", "call_id", "output", "name",
+                                               "input", "tool_use_id", "text", "summary"]), values, max_size=5)
+responses_bodies = st.fixed_dictionaries(
+    {"model": st.just("m"), "input": st.text(max_size=5) | st.lists(agent_items, max_size=4)},
+    optional={"instructions": st.text(max_size=5), "tools": st.lists(st.dictionaries(st.sampled_from(FIELDS), values, max_size=4), max_size=2)},
+)
+messages_bodies = st.fixed_dictionaries(
+    {
+        "model": st.just("m"), "max_tokens": st.integers(1, 10),
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"])}, optional={
+            "content": st.text(max_size=5) | st.lists(agent_items, max_size=3) | values}), min_size=1, max_size=4),
+    },
+    optional={"system": st.text(max_size=5) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": values}), max_size=2),
+              "tools": st.lists(st.dictionaries(st.sampled_from(FIELDS), values, max_size=4), max_size=2)},
+)
+
+
+@given(body=responses_bodies)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+def test_valid_responses_bodies_route_without_raising(body) -> None:
+    try:
+        route_pipeline(orjson.dumps(body), "responses")
+    except RouterError as exc:
+        assert exc.status == 400
+
+
+@given(body=messages_bodies)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+def test_valid_messages_bodies_route_without_raising(body) -> None:
+    try:
+        route_pipeline(orjson.dumps(body), "messages")
+    except RouterError as exc:
+        assert exc.status == 400

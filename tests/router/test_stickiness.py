@@ -5,41 +5,64 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
 
 from cache_client.base import IndexView, key_tokens_of
 from cache_client.memory import MemoryIndex
-from loadtests.affinity import run_agent
+from cache_client.served_ends import ServedEnds
+from loadtests.affinity import MODEL, AgentTurn, own_system, run_agent
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from normalizer.prefix import PrefixChain
+from normalizer.vllm_hash import BlockHasher
+from router.app import build_app
 from router.chain import EstimateChainBuilder
+from router.config_loader import flat_config
 from router.cost import CostModel
 from router.load import LocalLoadBoard
 from router.policies import make_policy
 from router.policies.bounded import within_bounds
+from router.precise.chain import chain_of_tokens
 from router.routing import RouteRequest, WorkerLoad
+from router.workers import WorkerSpec
+from tests.support.upstream import RecordingUpstream
 
 COST = CostModel()
 WORKERS = ("w0", "w1", "w2", "w3")
 SYSTEM = "You are a careful coding agent. Follow the repository's conventions. " * 90
 
 
-def _route_turns(policy_name: str, bodies: list[dict], background: dict[str, float] | None = None) -> list:
-    """Route each body in turn as a router would: look up, choose, record, acquire, release.
+def _route_turns(
+    policy_name: str,
+    bodies: list,
+    background: dict[str, float] | None = None,
+    chain_of: Callable[[Any], PrefixChain] | None = None,
+) -> list:
+    """Route each body in turn as the proxy does: look up (the index, and where the prompts
+    sent before ended), choose, record (on the index and the ends memory), acquire, release.
 
     The board's clock stands still, so recent counts never decay: each routed request stays
-    counted on its worker, the worst skew sequential traffic can build.
+    counted on its worker, the worst skew sequential traffic can build. `chain_of`: how a
+    body becomes its chain (default: the estimate chain of a chat body).
     """
-    policy, index, chains = make_policy(policy_name), MemoryIndex(), EstimateChainBuilder()
+    policy, index, ends, chains = make_policy(policy_name), MemoryIndex(), ServedEnds(), EstimateChainBuilder()
     board = LocalLoadBoard(clock=lambda: 0.0)
     for name, count in (background or {}).items():
         for _ in range(int(count)):
             board.release(board.acquire(name, 0.0))
     decisions = []
     for body in bodies:
-        chain = chains.build(body, "chat")
+        chain = chain_of(body) if chain_of else chains.build(body, "chat")
         view = index.lookup_sync(chain.keys)
-        d = policy.choose(RouteRequest(chain), view, board.snapshot(WORKERS), COST)
+        continues = None if chain.reply_depth else ends.lookup(chain, view)
+        d = policy.choose(RouteRequest(chain, continues=continues), view, board.snapshot(WORKERS), COST)
         index.record_sync(d.worker, chain.keys, key_tokens_of(chain.cum_tokens))
+        ends.record(d.worker, chain)
         board.release(board.acquire(d.worker, d.prefill_s))
         decisions.append(d)
     return decisions
@@ -106,6 +129,231 @@ def test_agents_keep_their_workers_end_to_end() -> None:
     assert not [t for t in alone if t.reason == "overload"], alone
     assert all(t.cached_tokens > 0 for t in alone[1:]), alone
     for turns in together:
+        assert len({t.worker for t in turns}) == 1, turns
+        assert not [t for t in turns if t.reason == "overload"], turns
+        assert all(t.cached_tokens > 0 for t in turns[1:]), turns
+
+
+# -- requests without an assistant message: a growing prompt, one growing message, token
+# chains. Their previous turn is found by where the prompts placed before ended
+# (cache_client/served_ends.py).
+
+ESTIMATE = EstimateChainBuilder()
+
+
+def _growing_prompts(turns: int, agent: int = 7) -> list[str]:
+    """Prompt N+1 = prompt N + its answer + the next step, as a completions agent sends."""
+    text, prompts = own_system(agent), []
+    for t in range(turns):
+        text += f"\nUser: step {t}: " + "run the next check " * 25 + "\nAssistant:"
+        prompts.append(text)
+        text += f" done with step {t}." + " ok" * 20
+    return prompts
+
+
+def _completion(prompt: str) -> dict:
+    return {"model": "m", "prompt": prompt}
+
+
+def _one_message(content: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+def _completion_chain(body: dict) -> PrefixChain:
+    return ESTIMATE.build(body, "completion")
+
+
+FORMS = {"completions": (_completion, _completion_chain), "one_message_chat": (_one_message, None)}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_growing_prompt_keeps_its_worker(form: str) -> None:
+    make_body, chain_of = FORMS[form]
+    decisions = _route_turns("cache_aware", [make_body(p) for p in _growing_prompts(20)], chain_of=chain_of)
+    assert {d.worker for d in decisions} == {decisions[0].worker}, [d.worker for d in decisions]
+    assert all(d.reason == "gpu_hit" for d in decisions[1:]), [d.reason for d in decisions]
+
+
+def test_a_growing_token_chain_keeps_its_worker() -> None:
+    """Precise chains have no message boundaries (reply_depth 0): vLLM's full-block hashes."""
+    hasher, tokens, prompts = BlockHasher(16), list(range(500)), []
+    for t in range(20):
+        tokens += [1000 + t] * 150  # the answer and the next step
+        prompts.append(list(tokens))
+    decisions = _route_turns("cache_aware", prompts, chain_of=lambda p: chain_of_tokens(hasher, p))
+    assert {d.worker for d in decisions} == {decisions[0].worker}, [d.worker for d in decisions]
+    assert all(d.reason == "gpu_hit" for d in decisions[1:]), [d.reason for d in decisions]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("question", ["session {i}", "session {i}: " + "what does this module do? " * 20])
+def test_new_sessions_sharing_a_prefix_inside_one_prompt_still_spread(form: str, question: str) -> None:
+    """A hot prefix with no message boundary after it: sessions diverge inside one block
+    (short questions) or after whole blocks of their own (long ones)."""
+    make_body, chain_of = FORMS[form]
+    bodies = [make_body(SYSTEM + question.format(i=i)) for i in range(12)]
+    served = Counter(d.worker for d in _route_turns("cache_aware", bodies, chain_of=chain_of))
+    assert len(served) >= 3 and max(served.values()) <= 6, served
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_new_sessions_after_a_request_of_the_bare_prefix_still_spread(form: str) -> None:
+    """Each session extends the warm-up's prompt, as a conversation would: the second one
+    to continue it shows it to be a shared prefix."""
+    make_body, chain_of = FORMS[form]
+    question = "session {i}: " + "what does this module do? " * 20
+    bodies = [make_body(SYSTEM)] + [make_body(SYSTEM + question.format(i=i)) for i in range(12)]
+    served = Counter(d.worker for d in _route_turns("cache_aware", bodies, chain_of=chain_of))
+    assert len(served) >= 3 and max(served.values()) <= 6, served
+
+
+def test_one_prompt_continues_an_end_and_a_second_makes_it_a_fork() -> None:
+    ends, base = ServedEnds(), _chain("s" * 2048)
+    one, two = _chain("s" * 2048 + "one" * 200), _chain("s" * 2048 + "two" * 200)
+    view = IndexView({"w1": len(base)})
+    ends.record("w1", base)
+    assert ends.lookup(base, view) == "w1"  # the same prompt again continues nothing new
+    assert ends.lookup(one, view) == ends.lookup(two, view) == "w1"  # lookups record nothing
+    ends.record("w1", one)
+    assert ends.lookup(one, view) == "w1"  # its retry
+    assert ends.lookup(two, view) is None  # would be a second continuation
+    ends.record("w2", two)
+    assert ends.lookup(one, view) is None
+
+
+def _chain(prompt: str) -> PrefixChain:
+    return _completion_chain(_completion(prompt))
+
+
+def test_a_remembered_end_names_its_worker_only_while_the_index_holds_it() -> None:
+    ends, first, second = ServedEnds(), _chain("a" * 2000), _chain("a" * 2000 + "b" * 500)
+    ends.record("w1", first)
+    held = IndexView({"w1": len(first) - 1, "w2": len(first) - 1})
+    assert ends.lookup(second, held) == "w1"
+    assert ends.lookup(second, IndexView({"w2": len(first) - 1})) is None  # w1 evicted it
+    assert ends.lookup(second, IndexView({"w1": len(first) - 2})) is None  # only part of it
+    assert ends.lookup(_chain("c" * 2500), IndexView({"w1": 1})) is None  # shares only key 0
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_continuation_names_its_home_wherever_the_prompt_ends_in_its_block(form: str) -> None:
+    """Whatever the length of prompt N, including a last block holding only part of the
+    closing marker of a rendered message, prompt N + more continues it."""
+    make_body, chain_of = FORMS[form]
+    build = chain_of or (lambda body: ESTIMATE.build(body, "chat"))
+    for extra in range(0, 300, 3):
+        ends, index = ServedEnds(), MemoryIndex()
+        before, after = build(make_body(SYSTEM[:1000 + extra])), build(make_body(SYSTEM[:1000 + extra] + " next" * 60))
+        ends.record("w1", before)
+        index.record_sync("w1", before.keys, key_tokens_of(before.cum_tokens))
+        assert ends.lookup(after, index.lookup_sync(after.keys)) == "w1", extra
+
+
+def test_two_prompts_ending_at_one_key_make_it_a_fork() -> None:
+    ends, base = ServedEnds(), "s" * 2048
+    one, two, later = _chain(base + "question one"), _chain(base + "question two"), _chain(base + "x" * 600)
+    view = IndexView({"w1": len(one) - 1})
+    ends.record("w1", one)
+    ends.record("w1", one)  # a retry of the same prompt is no fork
+    assert ends.lookup(later, view) == "w1"
+    ends.record("w2", two)
+    assert ends.lookup(later, view) is None
+    ends.record("w1", one)  # and a fork stays one
+    assert ends.lookup(later, view) is None
+
+
+def test_remembered_ends_are_bounded() -> None:
+    ends = ServedEnds(capacity=8)
+    for i in range(20):
+        ends.record("w0", _chain(f"prompt {i} " * 100))
+    assert len(ends) == 8
+
+
+def test_the_policy_makes_the_continued_worker_a_home_and_keeps_no_state() -> None:
+    """`choose` is a function of its inputs: the same request, view and loads give the same
+    decision however often it is asked; `continues` makes its worker a quiet home."""
+    policy, chain = make_policy("cache_aware"), _chain("a" * 2000 + "b" * 500)
+    view = IndexView({"w0": len(chain) - 2})
+    loads = [WorkerLoad("w0", recent=20.0), WorkerLoad("w1"), WorkerLoad("w2"), WorkerLoad("w3")]
+    spread = [policy.choose(RouteRequest(chain), view, loads, COST) for _ in range(3)]
+    assert {(d.worker, d.reason) for d in spread} == {(spread[0].worker, "overload")} and spread[0].worker != "w0"
+    home = [policy.choose(RouteRequest(chain, continues="w0"), view, loads, COST) for _ in range(3)]
+    assert {(d.worker, d.reason) for d in home} == {("w0", "gpu_hit")}
+
+
+class EventFedChains(EstimateChainBuilder):
+    """Estimate chains, with the index kept by the workers' KV events as in precise mode."""
+
+    records_on_route = False
+
+
+async def test_a_sent_prompt_is_remembered_when_kv_events_keep_the_index() -> None:
+    """Precise mode: the router records nothing on the index, but it alone knows which prompt
+    it sent where, so a continuation without a reply still finds its home."""
+    base = "You are a careful completions agent. " * 60
+    first, then = base + "\nStep 1:", base + "\nStep 1: done." + " check" * 80
+    index, chains = MemoryIndex(1_000_000), EventFedChains()
+    with RecordingUpstream() as a, RecordingUpstream() as b:
+        config = flat_config(workers=[WorkerSpec("a", a.url), WorkerSpec("b", b.url)], policy="cache_aware")
+        app = build_app(config, index=index, chains=chains)
+        async with app.lifespan(app.api):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+
+                async def complete(prompt: str) -> httpx.Response:
+                    return await client.post("/v1/completions", json={"model": "rec-model", "prompt": prompt})
+
+                home = (await complete(first)).headers["x-kvroute-worker"]
+                sent = chains.build({"model": "rec-model", "prompt": first}, "completion")
+                assert index.lookup_sync(sent.keys).depths == {}  # the router did not record it
+                index.record_sync(home, sent.keys, key_tokens_of(sent.cum_tokens))  # the worker's KV events
+                for _ in range(6):  # its worker's recent count is over the cap: only a home stays
+                    app.loads.release(app.loads.acquire(home, 0.0))
+                real = await complete(then)
+    assert (real.headers["x-kvroute-worker"], real.headers["x-kvroute-route-reason"]) == (home, "gpu_hit")
+
+
+async def _grow_agent(url: str, turns: int, api: str, agent: int = 0) -> list[AgentTurn]:
+    """One agent that resends its whole history each turn, with no assistant message: as a
+    completions prompt, or as one user message (a trace replayer's form)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    text, out = own_system(agent), []
+    try:
+        for t in range(turns):
+            text += f"\nUser: Agent {agent}, step {t}: " + "run the next check " * 25 + "\nAssistant:"
+            if api == "completions":
+                raw: Any = await client.completions.with_raw_response.create(model=MODEL, prompt=text, max_tokens=24)
+                reply = raw.parse()
+                answer = reply.choices[0].text
+            else:
+                message = [{"role": "user", "content": text}]
+                raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=message, max_tokens=24)
+                reply = raw.parse()
+                answer = reply.choices[0].message.content
+            details = reply.usage.prompt_tokens_details if reply.usage else None
+            cached = (details.cached_tokens or 0) if details else 0
+            out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached))
+            text += answer
+    finally:
+        await client.close()
+    return out
+
+
+@pytest.mark.parametrize("api", ["completions", "one_message_chat"])
+def test_growing_prompt_agents_keep_their_workers_end_to_end(api: str) -> None:
+    # No shared pool: a turn that moves finds nothing cached (with the pool it would load
+    # its prefix from the CPU and hide the move).
+    with (
+        SimCluster(workers=4, time_scale=0.02, pool=False) as cluster,
+        RouterProcess(cluster.worker_urls, policy="cache_aware") as router,
+    ):
+        alone = asyncio.run(_grow_agent(router.url, 20, api))
+
+        async def three() -> list:
+            return await asyncio.gather(*(_grow_agent(router.url, 20, api, agent=a) for a in (1, 2, 3)))
+
+        together = asyncio.run(three())
+    for turns in (alone, *together):
         assert len({t.worker for t in turns}) == 1, turns
         assert not [t for t in turns if t.reason == "overload"], turns
         assert all(t.cached_tokens > 0 for t in turns[1:]), turns
