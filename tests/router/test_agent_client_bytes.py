@@ -39,13 +39,18 @@ def test_tools_in_another_key_order_reach_the_worker_as_the_same_bytes(router: A
     import anthropic
 
     client = anthropic.Anthropic(base_url=router.url, api_key="sk-ant-test", max_retries=0)
-    history = [
-        {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "C"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "sunny"}]},
-    ]
+    def history(call_input: dict[str, Any]) -> list[dict[str, Any]]:
+        return [
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1", "name": "get_weather", "input": call_input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "sunny"}]},
+        ]
+
+    call = {"city": "Paris", "unit": "C"}
     sent = []
-    for tools, messages in (([TOOL], history), ([_reversed(TOOL)], _reversed(history))):
+    # The tools' keys (the JSON schema's too) and the tool call's input in another order:
+    # both are rendered into the prompt as JSON text.
+    for tools, messages in (([TOOL], history(call)), ([_reversed(TOOL)], history(_reversed(call)))):
         start = len(upstream.received)
         reply = client.messages.create(model=upstream.model, max_tokens=8, system="terse", tools=tools, messages=messages)
         assert reply.content[0].text == "ok"
