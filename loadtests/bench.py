@@ -2,12 +2,15 @@
 
     kvroute bench --scenario seed --policies random,round_robin,least_loaded,cache_aware \
         [--peers sglang-router,vllm-router] [--find-capacity --slo-p99-ttft 2.0] \
-        [--workers 8] [--time-scale S|auto] [--seed N] --out DIR
+        [--workers 8] [--time-scale S|auto] [--seed N] [--api chat|responses|messages] --out DIR
     kvroute bench --trace FILE [--trace-window START,MINUTES] [--trace-speed X] \
         [--api chat|completions] --policies ... [--peers ...] --out DIR
 
 With `--trace`, a request trace replaces the scenario (`loadtests.traces`: its requests at
 their times, the trace's ideal reuse and TTFT floor reported beside each router).
+A scenario's requests go through `/v1/chat/completions` by default, or with `--api responses`
+/ `--api messages` through `/v1/responses` / `/v1/messages`, the same conversations in those
+APIs' wire forms (`loadtests.agent_wire`).
 
 For every router in turn it starts a fresh simulated cluster (so caches start cold and
 equal), the router in front of it, and plays the same workload (`loadtests.workload`)
@@ -42,6 +45,7 @@ import httpx
 import orjson
 
 from loadtests import harness, traces
+from loadtests.agent_wire import SCENARIO_API_PATHS
 from loadtests.extras import require_bench_extra
 from loadtests.harness import (
     HttpProbes,
@@ -169,6 +173,8 @@ class RunSetup:
     kv_capacity_tokens: int
     pool_capacity_tokens: int
     logs: Path
+    api: str = "chat"
+    """How a scenario's requests are sent (loadtests.agent_wire.WIRE)."""
 
 
 def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
@@ -261,8 +267,10 @@ async def _measure(
         probes.start()
         queues.start()
         try:
-            play = traces.drive_trace if isinstance(workload, traces.Trace) else harness.drive
-            outcome = await play(workload, router.url, setup.time_scale, progress=progress)
+            if isinstance(workload, traces.Trace):
+                outcome = await traces.drive_trace(workload, router.url, setup.time_scale, progress=progress)
+            else:
+                outcome = await harness.drive(workload, router.url, setup.time_scale, progress=progress, api=setup.api)
         finally:
             await queues.stop()
             await asyncio.to_thread(probes.stop)
@@ -604,7 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="replay this request trace (JSONL) instead of the scenario")
     p.add_argument("--trace-window", default=None, help="START,MINUTES of the trace to replay (default: all)")
     p.add_argument("--trace-speed", type=float, default=1.0, help="replay the trace this many times faster")
-    p.add_argument("--api", choices=sorted(traces.API_PATHS), default="chat", help="how trace requests are sent")
+    p.add_argument(
+        "--api",
+        choices=sorted({*traces.API_PATHS, *SCENARIO_API_PATHS}),
+        default="chat",
+        help="how requests are sent: a scenario's as chat, responses or messages; a trace's as chat or completions",
+    )
     p.add_argument("--out", required=True)
     return p
 
@@ -638,7 +651,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         workload = build_workload(
             scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
         )
-    setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs")
+    api = "chat" if args.trace else args.api  # a trace's API is in the Trace itself
+    setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api)
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
     failed: dict[str, dict[str, Any]] = {}
@@ -686,6 +700,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         scenario_info = {
             "name": scenario.name,
             "description": scenario.description,
+            "api": args.api,
             "arrival_rate_per_s": rates.arrival_rate_per_s,
             "sessions": len(workload.sessions),
             "warmup_s": workload.warmup_s,
@@ -779,11 +794,16 @@ def cli(argv: list[str]) -> int:
                 raise ValueError(f"--trace {args.trace}: no such file")
             if args.find_capacity:
                 raise ValueError("--find-capacity searches a scenario's arrival rate; use --trace-speed with --trace")
+            if args.api not in traces.API_PATHS:
+                raise ValueError(f"--api {args.api} applies to a scenario; a trace is sent as {' or '.join(traces.API_PATHS)}")
         except ValueError as exc:
             print(f"kvroute bench: {exc}", file=sys.stderr)
             return 2
-    elif args.trace_window or args.api != "chat":
-        print("kvroute bench: --trace-window and --api apply to --trace", file=sys.stderr)
+    elif args.trace_window:
+        print("kvroute bench: --trace-window applies to --trace", file=sys.stderr)
+        return 2
+    elif args.api not in SCENARIO_API_PATHS:
+        print(f"kvroute bench: --api {args.api} applies to --trace; a scenario is sent as {', '.join(SCENARIO_API_PATHS)}", file=sys.stderr)
         return 2
     if args.time_scale != "auto":
         try:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
+from loadtests.agent_wire import WIRE, StreamReader, chat_event
 from loadtests.workload import Conversation, Workload
 from router.aio import cancel_and_wait
 from router.proxy.upstream import RawUpstreamClient, UpstreamError
@@ -490,6 +491,15 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
+def sse_data(event: bytes) -> bytes | None:
+    """The `data:` payload of one SSE event: chat events are a bare `data:` line,
+    Responses and Messages events open with an `event:` line."""
+    if event.startswith(b"data:"):
+        return event[5:].strip()
+    at = event.find(b"\ndata:")
+    return event[at + 6 :].strip() if at >= 0 else None
+
+
 async def _stream_one(
     client: RawUpstreamClient,
     base_url: str,
@@ -500,6 +510,7 @@ async def _stream_one(
     t0: float,
     scale: float,
     stop_at: list[float],
+    reader: StreamReader = chat_event,
 ) -> None:
     loop = asyncio.get_running_loop()
     sent = t0 + record.sent_s * scale
@@ -522,10 +533,8 @@ async def _stream_one(
             pos = 0
             while (cut := buf.find(b"\n\n", pos)) >= 0:
                 event, pos = buf[pos:cut], cut + 2
-                if not event.startswith(b"data:"):
-                    continue
-                data = event[5:].strip()
-                if data == b"[DONE]":
+                data = sse_data(event)
+                if data is None or data == b"[DONE]":
                     continue
                 if first is not None and b'"usage"' not in data and b'"error"' not in data:
                     # A token chunk after the first: its arrival time is all we need
@@ -536,21 +545,11 @@ async def _stream_one(
                     obj = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     continue
-                if "error" in obj:
-                    record.error = str(obj["error"])[:200]
-                usage = obj.get("usage")
-                if usage:
-                    record.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = int(details.get("cached_tokens") or 0)
-                for choice in obj.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") or delta.get("tool_calls") or choice.get("text"):
-                        if first is None:
-                            first = now
-                            record.ttft_s = (now - sent) / scale
-                        last = now
+                if reader(obj, record):
+                    if first is None:
+                        first = now
+                        record.ttft_s = (now - sent) / scale
+                    last = now
             buf = buf[pos:]
     except asyncio.CancelledError:
         if first is None:
@@ -577,9 +576,11 @@ async def drive(
     time_scale: float,
     *,
     progress: Progress | None = None,
-    path: str = "/v1/chat/completions",
+    api: str = "chat",
 ) -> RunOutcome:
-    """Play the workload (see `Workload` for the timeline) and return every request's record."""
+    """Play the workload (see `Workload` for the timeline) and return every request's record,
+    sent through `api` (chat, responses or messages: see loadtests/agent_wire.py)."""
+    path, convert, reader = WIRE[api]
     loop = asyncio.get_running_loop()
     scale = time_scale
     warmup, window_end = workload.warmup_s, workload.window_end_s
@@ -614,7 +615,7 @@ async def drive(
                 now = sim_now()
                 if now >= window_end:
                     return  # no request starts after the window
-                body = conv.request(turn)
+                body = convert(conv.request(turn))
                 measured = now >= warmup
                 rec = RequestRecord(session.index, i, turn.kind, measured, now)
                 records.append(rec)
@@ -622,7 +623,9 @@ async def drive(
                 if measured:
                     state["in_flight_measured"] += 1
                 try:
-                    await _stream_one(client, base_url, path, orjson.dumps(body), headers, rec, t0, scale, stop_at)
+                    await _stream_one(
+                        client, base_url, path, orjson.dumps(body), headers, rec, t0, scale, stop_at, reader
+                    )
                 finally:
                     if measured:
                         state["in_flight_measured"] -= 1

@@ -126,7 +126,14 @@ class Attempt:
                 flight.extend(loop.time() + s.idle_timeout_s)
             else:
                 deadlines.done(flight)
-            self.first_byte(loop.time() - sent_at if relay else None)
+            if relay and ex.kind == "responses":
+                # A Responses stream opens with response.created before any prefill: the
+                # worker is healthy, but its prefill leaves the queue at the first output
+                # item (relay_stream), or busy workers would look idle.
+                self.worker.breaker.success(loop.time() - sent_at)
+                proxy.fleet.mark_ok(self.worker.name)
+            else:
+                self.first_byte(loop.time() - sent_at if relay else None)
             if relay:
                 proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)
             headers = response_headers(upstream.headers, self.worker.name, self.reason)

@@ -54,6 +54,10 @@ async def send_whole(send: Any, status: int, headers: Headers, body: bytes) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+_FIRST_OUTPUT = b"response.output_item.added"
+"""The Responses stream event that comes with the first generated token."""
+
+
 async def relay_stream(
     ex: Exchange, attempt: Attempt, headers: Headers, first: bytes, chunks: AsyncIterator[bytes], flight: Flight,
     learner: Learner | None = None,
@@ -70,8 +74,17 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": first, "more_body": True})
         if learner is not None:
             learner.feed(first)
+        # A Responses stream's prefill is over at its first output item, not its first
+        # byte (response.created): see Attempt.run.
+        prefilling = ex.kind == "responses"
+        if prefilling and _FIRST_OUTPUT in first:
+            prefilling = False
+            proxy.loads.first_byte(attempt.ticket)
         async for chunk in chunks:
             flight.extend(loop.time() + idle)
+            if prefilling and _FIRST_OUTPUT in chunk:
+                prefilling = False
+                proxy.loads.first_byte(attempt.ticket)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if learner is not None:
                 learner.feed(chunk)

@@ -106,3 +106,33 @@ def test_requests_jsonl_matches_the_summary(run) -> None:
         assert len(measured) == r["requests_measured"]
         ttfts = sorted(x["ttft_s"] for x in measured if x["ttft_s"] is not None)
         assert sum(ttfts) / len(ttfts) == pytest.approx(r["ttft_mean_s"])
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_the_scenario_runs_through_each_agent_api(tmp_path: Path, api: str, run) -> None:
+    """`--api responses|messages`: the same sessions as the module's chat run, through
+    /v1/responses or /v1/messages; reused as much, as predicted, with usage read back."""
+    import contextlib
+    import io
+
+    _, chat_results, _, _ = run
+    out = tmp_path / api
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = cli(
+            [
+                "--scenario", "seed", "--workers", "2", "--policies", "cache_aware",
+                "--time-scale", "0.2", "--warmup", "12", "--window", "24", "--seed", "3",
+                "--api", api, "--out", str(out),
+            ]
+        )  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["scenario"]["api"] == api
+    ca, chat = results["routers"]["cache_aware"], chat_results["routers"]["cache_aware"]
+    assert ca["requests_measured"] > 20 and ca["requests_failed"] == 0
+    assert ca["route_reasons"].get("gpu_hit", 0) > 0
+    assert abs(ca["predicted_hit_ratio"] - ca["worker_hit_ratio"]) < 0.1
+    assert abs(ca["worker_hit_ratio"] - chat["worker_hit_ratio"]) < 0.1
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert all(x["prompt_tokens"] > 0 and x["completion_tokens"] > 0 for x in rows if x["error"] is None)
+    assert sum(x["cached_tokens"] for x in rows) > 0

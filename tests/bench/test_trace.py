@@ -132,7 +132,9 @@ def test_trace_mode_refuses_what_does_not_apply(tmp_path: Path, capsys: pytest.C
     assert cli(["--trace", str(tmp_path / "missing.jsonl"), "--out", out]) == 2
     assert cli(["--trace", str(path), "--trace-speed", "0", "--out", out]) == 2
     assert cli(["--api", "completions", "--out", out]) == 2
-    assert "apply to --trace" in capsys.readouterr().err
+    assert "applies to --trace" in capsys.readouterr().err
+    assert cli(["--trace", str(path), "--api", "messages", "--out", out]) == 2
+    assert "applies to a scenario" in capsys.readouterr().err
 
 
 @pytest.mark.slow

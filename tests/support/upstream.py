@@ -83,6 +83,15 @@ class RecordingUpstream:
             await record(request)
             return JSONResponse({"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}], "model": self.model})
 
+        async def messages(request: Request) -> Response:
+            # Anthropic Messages, non-streaming: enough for an SDK client to parse the reply.
+            await record(request)
+            return JSONResponse(
+                {"id": "msg_rec", "type": "message", "role": "assistant", "model": self.model,
+                 "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn", "stop_sequence": None,
+                 "usage": {"input_tokens": 1, "output_tokens": 1}}
+            )
+
         async def models(_request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "test"}]})
 
@@ -98,6 +107,7 @@ class RecordingUpstream:
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
             Route("/v1/models", models),
             Route("/health", health),
         ])
