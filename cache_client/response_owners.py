@@ -29,6 +29,8 @@ log = logging.getLogger("kvroute.redis")
 
 DEFAULT_MAX_ENTRIES = 100_000
 OWNER_LOOKUP_TIMEOUT_S = 0.25
+OWNER_RETRY_AFTER_S = 1.0
+"""After a failed owner call, this long on the local map before Redis is tried again."""
 """Longest an owner lookup waits for Redis. Longer than the index's budget: a pinned
 request answered "unknown response" because Redis was slow is worse than a late one."""
 
@@ -113,21 +115,28 @@ class RedisResponseOwners:
         self.unshared = MemoryResponseOwners()
         """Records whose write did not reach Redis: still ours once Redis is back."""
         self.stats = {"remote": 0, "fallback": 0}
+        self._skip_until = 0.0
+        """Monotonic time before which calls skip Redis (it failed an owner call just now)."""
 
     def key(self, response_id: str) -> str:
         return f"{self.tag}:resp:{response_id}"
 
     async def _call(self, *command: object) -> tuple[bool, object]:
         """(answered, result): one command, or (False, None) when Redis is away or fails."""
+        # Not gated on the backend's "up": the index marks it down when lookups run over
+        # their few-millisecond budget, a latency verdict. An owner is a correctness
+        # matter (another replica's record, or a 404), worth a slower answer; only a call
+        # that failed sends this replica to its local map, for a moment.
         backend = self._backend
         backend.start()
-        if not backend.up:
+        if time.monotonic() < self._skip_until:
             self.stats["fallback"] += 1
             return False, None
         try:
             result = await asyncio.wait_for(backend.client().execute_command(*command), OWNER_LOOKUP_TIMEOUT_S)
         except REDIS_ERRORS as exc:
             backend.failed(exc)
+            self._skip_until = time.monotonic() + OWNER_RETRY_AFTER_S
             self.stats["fallback"] += 1
             return False, None
         except Exception as exc:  # a bug in the client: logged, never the request's failure

@@ -96,3 +96,18 @@ async def test_redis_unreachable_falls_back_to_the_local_map() -> None:
         assert owners.stats["remote"] == 0 and owners.stats["fallback"] >= 4
     finally:
         await backend.close()
+
+
+@pytest.mark.redis
+async def test_owners_stay_shared_while_the_index_has_marked_redis_slow(backends) -> None:
+    # Lookups over the index's budget mark the backend down (a latency verdict); Redis still
+    # answers, so an owner recorded by one replica must still be found by another.
+    a, b, prefix = backends
+    for backend in (a, b):
+        for _ in range(backend.slow_limit):
+            backend.over_budget()
+        assert not backend.up
+    mine, theirs = RedisResponseOwners(a, prefix), RedisResponseOwners(b, prefix)
+    await mine.remember("resp_slow", OwnerRecord("w3", 12), ttl_s=60.0)
+    assert await theirs.owner("resp_slow") == OwnerRecord("w3", 12)
+    assert theirs.stats["fallback"] == 0
