@@ -47,12 +47,7 @@ def validate(body: dict[str, Any], kind: RequestKind | None, model_optional: boo
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string.", "invalid_type")
     if kind == "chat":
-        messages = body.get("messages")
-        if messages is None:
-            raise _bad("Missing required parameter: 'messages'.", "missing_required_parameter")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("'messages' must be a non-empty array.", "invalid_type")
-        _check_messages(messages)
+        _check_messages(_messages(body))
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise _bad("'tools' must be an array.", "invalid_type")
@@ -105,12 +100,7 @@ def _check_strings(obj: dict[str, Any], where: str, names: tuple[str, ...]) -> N
 
 def _check_anthropic(body: dict[str, Any]) -> None:
     """An Anthropic Messages request: `messages`, `max_tokens` (required by Anthropic), `system`."""
-    messages = body.get("messages")
-    if messages is None:
-        raise _bad("Missing required parameter: 'messages'.", "missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty array.", "invalid_type")
-    for i, msg in enumerate(messages):
+    for i, msg in enumerate(_messages(body)):
         if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
             raise _bad(f"'messages[{i}]' must be an object whose 'role' is 'user' or 'assistant'.", "invalid_type")
         content = msg.get("content")
@@ -129,6 +119,16 @@ def _check_anthropic(body: dict[str, Any]) -> None:
     ):
         raise _bad("'system' must be a string or an array of text blocks.", "invalid_type")
     _check_tools(body)
+
+
+def _messages(body: dict[str, Any]) -> list[Any]:
+    """The required, non-empty `messages` array (chat and Anthropic Messages)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("Missing required parameter: 'messages'.", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array.", "invalid_type")
+    return messages
 
 
 def _check_messages(messages: list[Any]) -> None:

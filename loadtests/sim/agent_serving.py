@@ -150,15 +150,8 @@ def _tokens(*texts: str) -> int:
 
 async def _pooling_body(worker: SimWorker, request: Request) -> dict[str, Any]:
     worker.requests_total += 1
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise shapes.RequestError(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise shapes.RequestError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != worker.config.model:
-        raise shapes.RequestError(404, f"The model `{model}` does not exist.", param="model")
+    body = shapes.json_object(await request.body())
+    shapes.check_model(body, worker.config.model)
     return body
 
 

@@ -40,6 +40,24 @@ class RequestError(Exception):
         self.param = param
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object, else the 400 vLLM answers."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    """A `model` other than the one served is vLLM's 404 (absent is fine)."""
+    model = body.get("model")
+    if model is not None and model != served:
+        raise RequestError(404, f"The model `{model}` does not exist.", param="model")
+
+
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": status}})
 

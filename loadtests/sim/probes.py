@@ -42,13 +42,7 @@ def _error(status: int, message: str) -> Response:
 
 
 async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise shapes.RequestError(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise shapes.RequestError(400, "the request body must be a JSON object")
-    return body
+    return shapes.json_object(await request.body())
 
 
 def probe_routes(worker: SimWorker) -> list[Route]:

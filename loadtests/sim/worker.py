@@ -205,15 +205,8 @@ class SimWorker:
             raise shapes.RequestError(400, f"malformed request: {exc}") from None
 
     def _parse_body(self, raw: bytes, kind: str, request_id: str | None) -> Job:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise shapes.RequestError(400, f"invalid JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise shapes.RequestError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.config.model:
-            raise shapes.RequestError(404, f"The model `{model}` does not exist.", param="model")
+        body = shapes.json_object(raw)
+        shapes.check_model(body, self.config.model)
         api, request = kind, body
         if api == "responses":
             body = agent.responses_chat(body, self.store)
