@@ -128,6 +128,26 @@ def register_admin(api: FastAPI, services: Services) -> None:
         services.admission.released()  # capacity came back: let a queued request in
         return _json(200, info(w))
 
+    @api.get("/admin/tenants", include_in_schema=False)
+    async def list_tenants(request: Request) -> Response:
+        check(request)
+        return _json(200, tenants_info(services))
+
+    @api.post("/admin/tenants/reload", include_in_schema=False)
+    async def reload_tenants(request: Request) -> Response:
+        check(request)
+        if services.tenants.path is None:
+            raise RouterError(409, "No tenants file is configured (--tenants).", "tenants_not_configured")
+        try:
+            services.tenants.reload()
+        except OSError as exc:
+            raise RouterError(422, f"Tenants file not reloaded: {exc.strerror}; the previous tenants stay.",
+                              "tenants_invalid") from None
+        except ValueError as exc:
+            raise RouterError(422, f"Tenants file not reloaded: {exc}; the previous tenants stay.",
+                              "tenants_invalid") from None
+        return _json(200, tenants_info(services))
+
     @api.post("/debug/route", include_in_schema=False)
     async def debug_route(request: Request) -> Response:
         check(request)
@@ -135,6 +155,17 @@ def register_admin(api: FastAPI, services: Services) -> None:
         if path not in PROXIED_PATHS:
             raise _bad(f"'path' must be one of {', '.join(PROXIED_PATHS)}.")
         return _json(200, await explain(services, path, await json_body(request), request.headers.get("x-session-id")))
+
+
+def tenants_info(services: Services) -> dict[str, Any]:
+    """The tenants in force, without their keys."""
+    table = services.tenants.table
+    data = [
+        {"name": t.name, "cache_scope": t.cache_scope, "weight": t.weight, "keys": len(t.keys),
+         "limits": asdict(t.limits)}
+        for t in (table.tenants.values() if table is not None else ())
+    ]
+    return {"object": "list", "reloads": services.tenants.reloads, "data": data}
 
 
 async def explain(services: Services, path: str, body: dict[str, Any], session_header: str | None) -> dict[str, Any]:

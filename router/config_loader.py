@@ -76,11 +76,15 @@ FLAT_KEYS: dict[str, Slot] = {
     **_same("server", "shutdown_grace_s", "keep_alive_s"),
     **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
     **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
+    "tenants_file": ("tenants", "file"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
 
 LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys", "kv_events": "--kv-events"}
 """Repeatable flags, named in the singular where they take one item."""
+
+ALIASES = {"tenants_file": "--tenants"}
+"""Settings whose flag (and KVROUTE_* variable) is also known by a shorter name."""
 
 HELP = {
     "workers": "a worker as NAME=URL or URL (repeatable)",
@@ -117,6 +121,8 @@ HELP = {
     "[,topic=T] (repeatable; env KVROUTE_KV_EVENTS ;-separated)",
     "kv_events_discover": "precise mode: ask workers without --kv-events for /kv_event_sources (default on)",
     "kv_events_cpu": "precise mode: where CPU-medium events go: pool (default), worker or ignore",
+    "tenants_file": "tenants file (YAML: keys, cache scope, weight, limits per tenant; see docs/tenants.md); "
+    "reloaded on SIGHUP or POST /admin/tenants/reload (env KVROUTE_TENANTS)",
 }
 
 SECTIONS: dict[str, type] = {
@@ -154,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(LIST_FLAGS[name], dest=name, action="append", help=help_)
             continue
         flag = "--" + name.replace("_", "-")
+        if name in ALIASES:
+            parser.add_argument(ALIASES[name], flag, dest=name, type=_field_type(slot), help=help_)
+            continue
         kind = _field_type(slot)
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
@@ -232,7 +241,7 @@ def _from_yaml(path: str) -> dict[Slot, Any]:
 def _from_env(env: Mapping[str, str]) -> dict[Slot, Any]:
     values: dict[Slot, Any] = {}
     for name, slot in FLAT_KEYS.items():
-        alias = LIST_FLAGS.get(name, "").lstrip("-").replace("-", "_").upper()
+        alias = (LIST_FLAGS.get(name) or ALIASES.get(name, "")).lstrip("-").replace("-", "_").upper()
         for env_name in (ENV_PREFIX + name.upper(), ENV_PREFIX + alias):
             if env_name != ENV_PREFIX and env_name in env:
                 values[slot] = env[env_name]

@@ -8,9 +8,11 @@ lists them in start order, and the app's lifespan stops them in reverse.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
+import signal
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +37,7 @@ from router.proxy import Proxy
 from router.proxy.admission import Admission
 from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
+from router.tenants.loader import TenantRegistry
 from router.workers import Fleet
 
 log = logging.getLogger("kvroute")
@@ -106,6 +109,8 @@ class Services:
     api_keys: KeyCheck | None
     """Checked for every /v1/* request; None: no client authentication."""
     admin_token: KeyCheck | None
+    tenants: TenantRegistry
+    """The tenants in force (none without a tenants file); their keys are client keys too."""
     health_client: httpx.AsyncClient
     fleet: Fleet
     proxy: Proxy
@@ -206,6 +211,7 @@ def build_services(
         admission=admission,
         api_keys=config.security.client_keys(),
         admin_token=config.security.admin_check(),
+        tenants=TenantRegistry(config.tenants.file),
         health_client=client,
         fleet=fleet,
         proxy=proxy,
@@ -236,7 +242,39 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
             await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry)
 
         stages.append(Stage("precise", ingest, mode.stop))
+    if s.tenants.path is not None:
+        stages.append(TenantReloadOnHangup(s.tenants))
     return [*stages, s.outliers, s.loop_lag, s.discoveries]
+
+
+class TenantReloadOnHangup:
+    """SIGHUP reloads the tenants file in this process (with `--processes N`, signal each
+    process, or call `POST /admin/tenants/reload` on each replica). A bad file is logged and
+    the tenants in force stay."""
+
+    def __init__(self, registry: TenantRegistry) -> None:
+        self._registry = registry
+        self._installed = False
+
+    def _reload(self) -> None:
+        try:
+            table = self._registry.reload()
+        except (OSError, ValueError) as exc:
+            log.error("tenants file not reloaded, the previous tenants stay in force: %s", exc)
+            return
+        log.info("tenants reloaded: %d tenants", len(table))
+
+    async def start(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+            self._installed = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (in-process tests)
+            log.info("SIGHUP reload unavailable here; use POST /admin/tenants/reload")
+
+    async def stop(self) -> None:
+        if self._installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._installed = False
 
 
 async def start_all(services: Services) -> None:
