@@ -55,7 +55,7 @@ FLAT_KEYS: dict[str, Slot] = {
     "redis": ("redis", "url"),
     **_prefixed("redis", "redis_", "prefix", "ttl_s", "lookup_budget_ms"),
     **_same("index", "kv_capacity_tokens", "pool_capacity_tokens", "responses_owner_ttl_s"),
-    **_same("routing", "load_factor", "recent_half_life_s"),
+    **_same("routing", "load_factor", "recent_half_life_s", "random_seed"),
     **_prefixed("cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms"),
     "normalize_tool_schemas": ("normalize", "tool_schemas"),
     "normalize_tool_arguments": ("normalize", "tool_call_arguments"),
@@ -90,6 +90,8 @@ HELP = {
     "workers": "a worker as NAME=URL or URL (repeatable)",
     "discover": "discover workers, e.g. dns://HEADLESS_SERVICE:PORT (repeatable)",
     "policy": "routing policy",
+    "random_seed": "random policy only: pick by a hash of this seed and the request's prefix, so the same "
+    "request goes to the same worker in every run with this seed (common random numbers for benchmarks)",
     "redis": "share the index through Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS), "
     "redis+cluster://HOST:PORT[,HOST:PORT...] or ?cluster=true (Redis Cluster); see docs/redis.md",
     "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",

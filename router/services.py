@@ -185,7 +185,7 @@ def build_services(
         mode = build_precise(config.precise)
         chains = mode if mode is not None else EstimateChainBuilder()
     precise = chains if isinstance(chains, PreciseMode) else None
-    policy = make_policy(config.routing.policy, config.routing.load_factor)
+    policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
     cost = config.cost.model()
     admission = config.overload.admission()
     client = health_client or _health_client(config)
