@@ -153,25 +153,43 @@ def test_every_policy_is_registered_and_unknown_is_rejected() -> None:
 
 def test_seeded_random_places_each_request_alike_in_any_order() -> None:
     """Common random numbers: with --random-seed a request's worker is a function of the seed
-    and its chain, so two runs see the same placements whatever order requests arrive in,
-    while distinct requests still spread uniformly and independently."""
-    requests = [RouteRequest(chain(f"session {i}", "turn")) for i in range(4000)]
+    and the request's identity (its session and how many of that session's requests came
+    before, else its chain), so two runs place each request alike whatever order requests
+    arrive in, while distinct requests still spread uniformly and independently."""
     workers = loads("w0", "w1", "w2", "w3")
-    first = make_policy("random", random_seed=7)
-    placed = {id(r): first.choose(r, IndexView({}), workers, COST).worker for r in requests}
+    turns = [(f"session-{i}", t) for i in range(1000) for t in range(4)]
+
+    def place(policy, order):
+        out = {}
+        for session, t in order:
+            request = RouteRequest(chain(session, f"turn {t}"), session_key=session)
+            out[(session, t)] = policy.choose(request, IndexView({}), workers, COST).worker
+        return out
+
+    placed = place(make_policy("random", random_seed=7), turns)
+    # Sessions interleaved otherwise (each session's own turns still in order), and the
+    # loads listed otherwise: the same placements.
+    interleaved = sorted(turns, key=lambda st: (st[1], -int(st[0].split("-")[1])))
     again = make_policy("random", random_seed=7)
-    for r in reversed(requests):  # another order, a fresh policy, the loads listed otherwise
-        assert again.choose(r, IndexView({}), list(reversed(workers)), COST).worker == placed[id(r)]
+    for session, t in interleaved:
+        request = RouteRequest(chain("other text", f"turn {t}"), session_key=session)  # another API's chain
+        assert again.choose(request, IndexView({}), list(reversed(workers)), COST).worker == placed[(session, t)]
     counts = Counter(placed.values())
-    assert set(counts) == {"w0", "w1", "w2", "w3"}
     assert all(850 < n < 1150 for n in counts.values()), counts  # 1000 each ± ~5 sigma
-    other = make_policy("random", random_seed=8)
-    moved = sum(other.choose(r, IndexView({}), workers, COST).worker != placed[id(r)] for r in requests)
-    assert 2700 < moved < 3300  # a different seed is an independent draw: 3/4 move
-    # A turn that extends a conversation is a new request: its placement is drawn afresh.
-    follow = [first.choose(RouteRequest(chain(f"session {i}", "turn", "next")), IndexView({}), workers, COST).worker
-              for i in range(4000)]
-    assert 2700 < sum(f != placed[id(r)] for f, r in zip(follow, requests, strict=True)) < 3300
+    moved = sum(a != b for a, b in zip(place(make_policy("random", random_seed=8), turns).values(),
+                                       placed.values(), strict=True))
+    assert 2700 < moved < 3300  # another seed is an independent draw: 3/4 move
+    # Consecutive turns of one session are independent draws too.
+    assert 2700 < sum(placed[(s, t)] != placed[(s, t + 1)] for s, t in turns if t < 3) * 4 / 3 < 3300
+
+
+def test_seeded_random_without_a_session_keys_on_the_chain() -> None:
+    workers = loads("a", "b", "c", "d")
+    requests = [RouteRequest(chain(f"prompt {i}")) for i in range(2000)]
+    first = [make_policy("random", random_seed=3).choose(r, IndexView({}), workers, COST).worker for r in requests]
+    second = make_policy("random", random_seed=3)
+    assert [second.choose(r, IndexView({}), workers, COST).worker for r in reversed(requests)] == first[::-1]
+    assert all(400 < n < 600 for n in Counter(first).values())
 
 
 def test_unseeded_random_varies_for_one_request() -> None:
