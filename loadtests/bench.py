@@ -616,7 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidellm", action="store_true", help="also run the GuideLLM recipe (random, cache_aware)")
     p.add_argument("--trace", default=None, help="replay this request trace (JSONL) instead of the scenario")
     p.add_argument("--trace-window", default=None, help="START,MINUTES of the trace to replay (default: all)")
-    p.add_argument("--trace-speed", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument(
+        "--trace-speed", default="1.0",
+        help="replay the trace this many times faster, or 'auto': at the speed where a random balancer's "
+        "prefill work fills the fleet (times --load, default 1)",
+    )
     p.add_argument(
         "--api",
         choices=sorted({*traces.API_PATHS, *SCENARIO_API_PATHS}),
@@ -631,9 +635,20 @@ def _prepare_trace(args: argparse.Namespace, cost: Any, kv_capacity: int) -> tup
     """The trace window to replay, its time scale, and its section of results.json."""
     start_min, minutes = traces.parse_window(args.trace_window)
     max_len = min(cost.profile.max_model_len, kv_capacity)  # what a simulated worker accepts
-    trace = traces.load_trace(args.trace, start_min, minutes, args.trace_speed, args.api, max_len)
+    derived: dict[str, Any] | None = None
+    if args.trace_speed == "auto":
+        at_1 = traces.load_trace(args.trace, start_min, minutes, 1.0, args.api, max_len)
+        derived = traces.random_lb_speed(at_1, args.workers, kv_capacity, cost)
+        load = 1.0 if args.load is None else args.load
+        derived["load"] = load
+        speed = derived["speed"] * load
+    else:
+        speed = float(args.trace_speed)
+    trace = traces.load_trace(args.trace, start_min, minutes, speed, args.api, max_len)
     time_scale = auto_time_scale(trace.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
     bounds = traces.trace_bounds(trace, cost, args.workers, kv_capacity, POOL_CAPACITY_TOKENS)
+    if derived is not None:
+        bounds["speed_derivation"] = derived
     name = f"trace {Path(args.trace).name}"
     return trace, time_scale, {"name": name, "description": f"{name} as {args.api}", "trace": bounds}
 
@@ -783,6 +798,13 @@ def one_line_summary(results: dict[str, Any], out: str) -> str:
     )
 
 
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 def cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -793,8 +815,8 @@ def cli(argv: list[str]) -> int:
     if args.trace:
         try:
             traces.parse_window(args.trace_window)
-            if args.trace_speed <= 0:
-                raise ValueError("--trace-speed must be positive")
+            if args.trace_speed != "auto" and not _positive(args.trace_speed):
+                raise ValueError(f"--trace-speed {args.trace_speed!r}: a positive number or 'auto'")
             if not Path(args.trace).is_file():
                 raise ValueError(f"--trace {args.trace}: no such file")
             if args.find_capacity:

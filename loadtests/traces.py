@@ -36,6 +36,7 @@ import base64
 import hashlib
 import math
 import os
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -242,6 +243,56 @@ def ideal_ttft_floor(requests: Sequence[TraceRequest], cost: CostModel, max_batc
         "mean_s": sum(floors) / len(floors) if floors else None,
         "p50_s": percentile(floors, 50),
         "p99_s": percentile(floors, 99),
+    }
+
+
+RANDOM_LB_SEED = "trace-random-lb"
+
+
+def random_lb_speed(
+    trace: Trace,
+    workers: int,
+    kv_capacity_tokens: int,
+    cost: CostModel,
+    max_batched_tokens: int = ENGINE_TOKEN_BUDGET,
+) -> dict[str, Any]:
+    """The replay speed at which a random balancer's prefill work fills the fleet: a trace's
+    `--trace-speed auto`, derived as a scenario's load is (`loadtests.random_lb`).
+
+    The window's requests, in order, each go to a uniformly random worker whose KV cache is
+    an LRU of 512-token blocks (`kv_capacity_tokens` each); a request reuses the leading
+    blocks that worker still holds and prefills the rest (`ideal_ttft_s`: chunked steps on
+    an idle worker). With W the prefill seconds of the whole window and T its span at speed
+    1, the fleet is full when W / (T / speed) = workers, so speed = workers × T / W. Unlike a
+    scenario's conversations, whose sends follow their answers, a trace fixes the order of
+    its requests, so what random placement reuses does not depend on the speed; the model
+    favours random as `random_lb` does (running sequences take no cache space)."""
+    if trace.speed != 1.0:
+        raise ValueError("random_lb_speed takes the window at speed 1")
+    rng = random.Random(RANDOM_LB_SEED)
+    cap_blocks = max(kv_capacity_tokens // TRACE_BLOCK_TOKENS, 1)
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(workers)]
+    prefill_s = 0.0
+    reused = total = 0
+    for r in trace.requests:
+        cache = caches[rng.randrange(workers)]
+        cached = min(_leading_seen(r.hash_ids, cache) * TRACE_BLOCK_TOKENS, r.input_length)
+        prefill_s += ideal_ttft_s(cached, r.input_length, cost, max_batched_tokens)
+        reused += cached
+        total += r.input_length
+        for h in r.hash_ids:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > cap_blocks:
+            cache.popitem(last=False)
+    span_s = trace.window_s
+    return {
+        "speed": workers * span_s / prefill_s if prefill_s > 0 else 1.0,
+        "random_lb_reused_fraction": reused / total if total else None,
+        "prefill_s_at_random_lb": prefill_s,
+        "window_s_at_speed_1": span_s,
+        "note": "random placement over per-worker LRU caches of 512-token blocks; the speed at which "
+        "its prefill work fills the fleet (workers x window / prefill seconds)",
     }
 
 

@@ -26,6 +26,7 @@ from loadtests.traces import (
     load_trace,
     parse_window,
     prompt_text,
+    random_lb_speed,
     shared_dir,
 )
 from normalizer.prefix import chat_segments
@@ -125,12 +126,35 @@ def test_ideal_ttft_floor_prices_only_new_blocks_on_an_idle_worker() -> None:
     assert floor["mean_s"] == pytest.approx((cold + ideal_ttft_s(20_000, 20_000, COST, 8192)) / 2)
 
 
+def test_auto_speed_fills_the_fleet_with_a_random_balancers_prefill(tmp_path: Path) -> None:
+    """`--trace-speed auto`: the speed at which random placement's prefill work (over
+    per-worker block LRUs) equals the fleet's time, as a scenario's load is derived."""
+    trace = load_trace(_write(tmp_path / "t.jsonl", _conversations()))
+    one = random_lb_speed(trace, 1, 10**7, COST)
+    # One worker with room for everything: each request prefills only the blocks not seen
+    # before (the trace's ideal floor).
+    floor = ideal_ttft_floor(trace.requests, COST, 8192)["mean_s"] * len(trace.requests)
+    assert one["prefill_s_at_random_lb"] == pytest.approx(floor)
+    assert one["speed"] == pytest.approx(1 * trace.window_s / floor)
+    # Many workers: random placement scatters the conversations, so it reuses less, and a
+    # fleet of N does N times the work per second.
+    eight = random_lb_speed(trace, 8, 10**7, COST)
+    assert eight["random_lb_reused_fraction"] < one["random_lb_reused_fraction"]
+    assert eight["prefill_s_at_random_lb"] > floor
+    assert eight["speed"] == pytest.approx(8 * trace.window_s / eight["prefill_s_at_random_lb"])
+    # A cache too small to keep a conversation's blocks reuses nothing.
+    assert random_lb_speed(trace, 1, 512, COST)["random_lb_reused_fraction"] == 0.0
+    with pytest.raises(ValueError):
+        random_lb_speed(load_trace(tmp_path / "t.jsonl", speed=2.0), 1, 10**7, COST)
+
+
 def test_trace_mode_refuses_what_does_not_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path / "t.jsonl", _conversations(6))
     out = str(tmp_path / "out")
     assert cli(["--trace", str(path), "--find-capacity", "--out", out]) == 2
     assert cli(["--trace", str(tmp_path / "missing.jsonl"), "--out", out]) == 2
     assert cli(["--trace", str(path), "--trace-speed", "0", "--out", out]) == 2
+    assert cli(["--trace", str(path), "--trace-speed", "fast", "--out", out]) == 2
     assert cli(["--api", "completions", "--out", out]) == 2
     assert "applies to --trace" in capsys.readouterr().err
     assert cli(["--trace", str(path), "--api", "messages", "--out", out]) == 2
@@ -171,6 +195,25 @@ def test_a_small_trace_replays_through_every_router(tmp_path: Path, api: str) ->
     md = (out / "results.md").read_text()
     assert "Against the trace's ideal" in md and "Ideal reuse" in md
     assert json.loads(buf.getvalue().strip().splitlines()[-1])["scenario"] == "trace conv.jsonl"
+
+
+@pytest.mark.slow
+def test_auto_speed_replays_at_the_derived_speed(tmp_path: Path) -> None:
+    path = _write(tmp_path / "conv.jsonl", _conversations())
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = cli(["--trace", str(path), "--policies", "random", "--workers", "2", "--time-scale", "0.3",
+                    "--trace-speed", "auto", "--load", "0.5", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    trace = json.loads((out / "results.json").read_text())["scenario"]["trace"]
+    derived = trace["speed_derivation"]
+    assert derived == {**random_lb_speed(load_trace(path), 2, derived_kv(out), COST), "load": 0.5}
+    assert trace["speed"] == pytest.approx(derived["speed"] * 0.5)
+    assert trace["window_s"] == pytest.approx(load_trace(path).window_s / trace["speed"])
+
+
+def derived_kv(out: Path) -> int:
+    return json.loads((out / "results.json").read_text())["config"]["kv_capacity_tokens"]
 
 
 def _shared_trace(name: str) -> Path:
