@@ -76,8 +76,12 @@ FLAT_KEYS: dict[str, Slot] = {
     **_same("server", "shutdown_grace_s", "keep_alive_s"),
     **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
     **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
+    **_prefixed("isolation", "tenant_", "salt_secret", "salt_secret_file"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
+
+NO_FLAG = frozenset({"tenant_salt_secret"})
+"""Secrets set only by environment or YAML (a flag would show them in ps)."""
 
 LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys", "kv_events": "--kv-events"}
 """Repeatable flags, named in the singular where they take one item."""
@@ -117,6 +121,8 @@ HELP = {
     "[,topic=T] (repeatable; env KVROUTE_KV_EVENTS ;-separated)",
     "kv_events_discover": "precise mode: ask workers without --kv-events for /kv_event_sources (default on)",
     "kv_events_cpu": "precise mode: where CPU-medium events go: pool (default), worker or ignore",
+    "tenant_salt_secret_file": "tenants: file holding the secret the per-tenant cache salts derive from "
+    "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }
 
 SECTIONS: dict[str, type] = {
@@ -149,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML config file (env KVROUTE_CONFIG)")
     for name, slot in FLAT_KEYS.items():
+        if name in NO_FLAG:
+            continue
         help_ = HELP.get(name, "")
         if name in LIST_FLAGS:
             parser.add_argument(LIST_FLAGS[name], dest=name, action="append", help=help_)

@@ -33,8 +33,10 @@ from router.policies import Policy, make_policy
 from router.precise import PreciseMode, build_precise
 from router.proxy import Proxy
 from router.proxy.admission import Admission
+from router.proxy.handler import TenantLookup
 from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
+from router.tenants.salt import CacheSalter
 from router.workers import Fleet
 
 log = logging.getLogger("kvroute")
@@ -112,6 +114,10 @@ class Services:
     outliers: OutlierDetector
     loop_lag: LoopLagMonitor
     discoveries: Discoveries
+    tenants: TenantLookup | None = None
+    """Tenants by client key (None: no tenants configured)."""
+    salter: CacheSalter | None = None
+    """With tenants: each cache scope's `cache_salt` (router/tenants/salt.py)."""
     lifecycle: list[Lifecycle] = field(default_factory=list)
     """Started in this order, stopped in reverse."""
 
@@ -144,6 +150,15 @@ def response_owners(config: RouterConfig, index: PrefixIndex) -> ResponseOwners:
     return MemoryResponseOwners()
 
 
+def cache_salter(config: RouterConfig, index: PrefixIndex) -> CacheSalter:
+    """Tenants' cache salts: from the configured secret, else one shared through the
+    index's Redis, else this process's own (router/tenants/salt.py)."""
+    from cache_client.redis_index import RedisIndex
+
+    redis = index.backend if isinstance(index, RedisIndex) else None
+    return CacheSalter(config.isolation.configured_secret(), redis=redis, prefix=config.redis.prefix)
+
+
 def _health_client(config: RouterConfig) -> httpx.AsyncClient:
     p = config.proxy
     return httpx.AsyncClient(
@@ -166,6 +181,7 @@ def build_services(
     metrics: RouterMetrics | None = None,
     upstream: UpstreamClient | None = None,
     health_client: httpx.AsyncClient | None = None,
+    tenants: TenantLookup | None = None,
 ) -> Services:
     """Every component `config` describes; the keyword arguments replace one each (tests:
     a fake upstream, an httpx MockTransport for health checks, a prepared index)."""
@@ -187,10 +203,14 @@ def build_services(
     fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
+    salter = cache_salter(config, index) if tenants is not None else None
+    if tenants is not None:
+        metrics.enable_tenants()
     proxy = Proxy(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
+        tenants=tenants, salter=salter,
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(
@@ -212,6 +232,8 @@ def build_services(
         outliers=OutlierDetector(lambda: fleet, config.outlier),
         loop_lag=LoopLagMonitor(),
         discoveries=Discoveries(fleet, config.discover, env),
+        tenants=tenants,
+        salter=salter,
     )
     services.lifecycle = _lifecycle(services)
     return services
@@ -228,7 +250,10 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
         await s.index.close()
         await s.health_client.aclose()
 
-    stages: list[Lifecycle] = [Stage("index", set_capacities, close_index_and_client), s.proxy, s.fleet]
+    stages: list[Lifecycle] = [Stage("index", set_capacities, close_index_and_client)]
+    if s.salter is not None:  # the salts' secret is settled before the first request
+        stages.append(s.salter)
+    stages += [s.proxy, s.fleet]
     if s.precise is not None:  # KV-event ingestion (router/precise/events.py)
         mode = s.precise
 
