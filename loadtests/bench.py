@@ -175,6 +175,9 @@ class RunSetup:
     logs: Path
     api: str = "chat"
     """How a scenario's requests are sent (loadtests.agent_wire.WIRE)."""
+    seed: int | None = None
+    """The run's seed; kvroute's `random` gets it as `--random-seed`, so runs with one seed
+    (through different APIs, say) place each request alike: common random numbers."""
 
 
 def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
@@ -183,6 +186,8 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
         "--pool-capacity-tokens", str(setup.pool_capacity_tokens if entry.pool else 0),
         "--log-level", "warning",
     ]  # fmt: skip
+    if entry.policy == "random" and entry.kind != "peer" and setup.seed is not None:
+        args += ["--random-seed", str(setup.seed)]
     if setup.profile != DEFAULT_PROFILE:
         # kvroute's cost defaults describe the 8B model; for another profile configure it
         # the way an operator would: a line through the simulated marginal prefill cost.
@@ -652,7 +657,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
         )
     api = "chat" if args.trace else args.api  # a trace's API is in the Trace itself
-    setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api)
+    setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api, args.seed)
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
     failed: dict[str, dict[str, Any]] = {}

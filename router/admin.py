@@ -129,6 +129,26 @@ def register_admin(api: FastAPI, services: Services) -> None:
         services.admission.released()  # capacity came back: let a queued request in
         return _json(200, info(w))
 
+    @api.get("/admin/tenants", include_in_schema=False)
+    async def list_tenants(request: Request) -> Response:
+        check(request)
+        return _json(200, tenants_info(services))
+
+    @api.post("/admin/tenants/reload", include_in_schema=False)
+    async def reload_tenants(request: Request) -> Response:
+        check(request)
+        if services.tenants.path is None:
+            raise RouterError(409, "No tenants file is configured (--tenants).", "tenants_not_configured")
+        try:
+            services.tenants.reload()
+        except OSError as exc:
+            raise RouterError(422, f"Tenants file not reloaded: {exc.strerror}; the previous tenants stay.",
+                              "tenants_invalid") from None
+        except ValueError as exc:
+            raise RouterError(422, f"Tenants file not reloaded: {exc}; the previous tenants stay.",
+                              "tenants_invalid") from None
+        return _json(200, tenants_info(services))
+
     @api.post("/debug/route", include_in_schema=False)
     async def debug_route(request: Request) -> Response:
         check(request)
@@ -140,15 +160,27 @@ def register_admin(api: FastAPI, services: Services) -> None:
         return _json(200, await explain(services, path, body, request.headers.get("x-session-id"), tenant))
 
 
+def tenants_info(services: Services) -> dict[str, Any]:
+    """The tenants in force, without their keys."""
+    table = services.tenants.table
+    data = [
+        {"name": t.name, "cache_scope": t.cache_scope, "weight": t.weight, "keys": len(t.keys),
+         "limits": asdict(t.limits)}
+        for t in (table.tenants.values() if table is not None else ())
+    ]
+    return {"object": "list", "reloads": services.tenants.reloads, "data": data}
+
+
 def tenant_named(services: Services, name: str | None) -> Tenant | None:
     """`/debug/route?tenant=NAME`: explain the routing in that tenant's cache scope (with
     tenants, the index holds each scope's prefixes apart; no `tenant`: the scope of requests
     without one)."""
     if name is None:
         return None
-    if services.tenants is None:
+    table = services.tenants.table
+    if table is None:
         raise _bad("'tenant' is only meaningful when tenants are configured.")
-    tenant = services.tenants.tenants.get(name)
+    tenant = table.tenants.get(name)
     if tenant is None:
         raise RouterError(404, "No tenant by that name.", "tenant_not_found")
     return tenant

@@ -24,7 +24,7 @@ from cache_client.base import PrefixIndex
 from cache_client.redact import exc_summary
 from router import __version__
 from router.admin import register_admin
-from router.auth import KeyCheck, unauthorized
+from router.auth import KeyCheck, presented_key, unauthorized
 from router.breaker import CLOSED
 from router.config import RouterConfig
 from router.errors import RouterError, error_body
@@ -67,6 +67,7 @@ class KvrouteApp:
         self.proxy: Proxy = services.proxy
         self.admission: Admission = services.admission
         self.api_keys: KeyCheck | None = services.api_keys
+        self.tenants = services.tenants
         self._register_reliability_metrics()
         self.api = self._build_api()
 
@@ -173,12 +174,19 @@ class KvrouteApp:
             w.breaker.admits()  # an open circuit whose time is up reads as half-open
             self.circuit_open.set(w.name, value=0.0 if w.breaker.state is CLOSED else 1.0)
 
+    def _accepts(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A client key is a configured API key or a tenant's key."""
+        key = presented_key(headers)
+        if self.api_keys is not None and self.api_keys.accepts(key):
+            return True
+        return self.tenants.for_key(key) is not None
+
     async def __call__(self, scope, receive, send) -> None:
         if (
-            self.api_keys is not None
+            (self.api_keys is not None or self.tenants.enabled)
             and scope["type"] == "http"
             and (scope["path"].startswith("/v1/") or scope["path"] in PROXIED_PATHS)
-            and not self.api_keys.accepts_headers(scope["headers"])
+            and not self._accepts(scope["headers"])
         ):
             await _unauthorized(send, api_of(scope["path"]))
             return

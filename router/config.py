@@ -20,6 +20,7 @@ from router.policies import RoutingSettings
 from router.precise.settings import PreciseSettings
 from router.proxy.admission import AdmissionSettings
 from router.proxy.settings import ProxySettings
+from router.tenants.loader import TenantSettings
 from router.tenants.salt import IsolationSettings
 from router.workers import HealthSettings, WorkerSpec
 
@@ -59,4 +60,5 @@ class RouterConfig:
     overload: AdmissionSettings = field(default_factory=AdmissionSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     precise: PreciseSettings = field(default_factory=PreciseSettings)
+    tenants: TenantSettings = field(default_factory=TenantSettings)
     isolation: IsolationSettings = field(default_factory=IsolationSettings)

@@ -55,7 +55,7 @@ FLAT_KEYS: dict[str, Slot] = {
     "redis": ("redis", "url"),
     **_prefixed("redis", "redis_", "prefix", "ttl_s", "lookup_budget_ms"),
     **_same("index", "kv_capacity_tokens", "pool_capacity_tokens", "responses_owner_ttl_s"),
-    **_same("routing", "load_factor", "recent_half_life_s"),
+    **_same("routing", "load_factor", "recent_half_life_s", "random_seed"),
     **_prefixed("cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms"),
     "normalize_tool_schemas": ("normalize", "tool_schemas"),
     "normalize_tool_arguments": ("normalize", "tool_call_arguments"),
@@ -76,6 +76,7 @@ FLAT_KEYS: dict[str, Slot] = {
     **_same("server", "shutdown_grace_s", "keep_alive_s"),
     **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
     **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
+    "tenants_file": ("tenants", "file"),
     **_prefixed("isolation", "tenant_", "salt_secret", "salt_secret_file"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
@@ -86,10 +87,15 @@ NO_FLAG = frozenset({"tenant_salt_secret"})
 LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys", "kv_events": "--kv-events"}
 """Repeatable flags, named in the singular where they take one item."""
 
+ALIASES = {"tenants_file": "--tenants"}
+"""Settings whose flag (and KVROUTE_* variable) is also known by a shorter name."""
+
 HELP = {
     "workers": "a worker as NAME=URL or URL (repeatable)",
     "discover": "discover workers, e.g. dns://HEADLESS_SERVICE:PORT (repeatable)",
     "policy": "routing policy",
+    "random_seed": "random policy only: pick by a hash of this seed and the request's prefix, so the same "
+    "request goes to the same worker in every run with this seed (common random numbers for benchmarks)",
     "redis": "share the index through Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS), "
     "redis+cluster://HOST:PORT[,HOST:PORT...] or ?cluster=true (Redis Cluster); see docs/redis.md",
     "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",
@@ -121,6 +127,8 @@ HELP = {
     "[,topic=T] (repeatable; env KVROUTE_KV_EVENTS ;-separated)",
     "kv_events_discover": "precise mode: ask workers without --kv-events for /kv_event_sources (default on)",
     "kv_events_cpu": "precise mode: where CPU-medium events go: pool (default), worker or ignore",
+    "tenants_file": "tenants file (YAML: keys, cache scope, weight, limits per tenant; see docs/tenants.md); "
+    "reloaded on SIGHUP or POST /admin/tenants/reload (env KVROUTE_TENANTS)",
     "tenant_salt_secret_file": "tenants: file holding the secret the per-tenant cache salts derive from "
     "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }
@@ -162,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(LIST_FLAGS[name], dest=name, action="append", help=help_)
             continue
         flag = "--" + name.replace("_", "-")
+        if name in ALIASES:
+            parser.add_argument(ALIASES[name], flag, dest=name, type=_field_type(slot), help=help_)
+            continue
         kind = _field_type(slot)
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
@@ -240,7 +251,7 @@ def _from_yaml(path: str) -> dict[Slot, Any]:
 def _from_env(env: Mapping[str, str]) -> dict[Slot, Any]:
     values: dict[Slot, Any] = {}
     for name, slot in FLAT_KEYS.items():
-        alias = LIST_FLAGS.get(name, "").lstrip("-").replace("-", "_").upper()
+        alias = (LIST_FLAGS.get(name) or ALIASES.get(name, "")).lstrip("-").replace("-", "_").upper()
         for env_name in (ENV_PREFIX + name.upper(), ENV_PREFIX + alias):
             if env_name != ENV_PREFIX and env_name in env:
                 values[slot] = env[env_name]

@@ -36,12 +36,29 @@ def check_secrets(config: RouterConfig) -> None:
         raise SystemExit(f"kvroute: cannot read --admin-token-file: {exc.strerror}") from None
     except ValueError as exc:
         raise SystemExit(f"kvroute: --admin-token-file: {exc}") from None
+    check_tenants(config)
     try:
         config.isolation.configured_secret()
     except OSError as exc:
         raise SystemExit(f"kvroute: cannot read --tenant-salt-secret-file: {exc.strerror}") from None
     except ValueError as exc:
         raise SystemExit(f"kvroute: tenant_salt_secret: {exc}") from None
+
+
+
+def check_tenants(config: RouterConfig) -> None:
+    """Load the tenants file now: a bad one stops the router with the line it is wrong on,
+    never a router running with half a config."""
+    from router.tenants.loader import load_tenants
+
+    if config.tenants.file is None:
+        return
+    try:
+        load_tenants(config.tenants.file)
+    except OSError as exc:
+        raise SystemExit(f"kvroute: cannot read --tenants file: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SystemExit(f"kvroute: bad tenants file: {exc}") from None
 
 
 def with_process_secret(config: RouterConfig) -> RouterConfig:

@@ -8,9 +8,11 @@ lists them in start order, and the app's lifespan stops them in reverse.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
+import signal
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,9 +35,9 @@ from router.policies import Policy, make_policy
 from router.precise import PreciseMode, build_precise
 from router.proxy import Proxy
 from router.proxy.admission import Admission
-from router.proxy.handler import TenantLookup
 from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
+from router.tenants.loader import TenantRegistry
 from router.tenants.salt import CacheSalter
 from router.workers import Fleet
 
@@ -108,14 +110,14 @@ class Services:
     api_keys: KeyCheck | None
     """Checked for every /v1/* request; None: no client authentication."""
     admin_token: KeyCheck | None
+    tenants: TenantRegistry
+    """The tenants in force (none without a tenants file); their keys are client keys too."""
     health_client: httpx.AsyncClient
     fleet: Fleet
     proxy: Proxy
     outliers: OutlierDetector
     loop_lag: LoopLagMonitor
     discoveries: Discoveries
-    tenants: TenantLookup | None = None
-    """Tenants by client key (None: no tenants configured)."""
     salter: CacheSalter | None = None
     """With tenants: each cache scope's `cache_salt` (router/tenants/salt.py)."""
     lifecycle: list[Lifecycle] = field(default_factory=list)
@@ -181,7 +183,7 @@ def build_services(
     metrics: RouterMetrics | None = None,
     upstream: UpstreamClient | None = None,
     health_client: httpx.AsyncClient | None = None,
-    tenants: TenantLookup | None = None,
+    tenants: TenantRegistry | None = None,
 ) -> Services:
     """Every component `config` describes; the keyword arguments replace one each (tests:
     a fake upstream, an httpx MockTransport for health checks, a prepared index)."""
@@ -196,21 +198,23 @@ def build_services(
         mode = build_precise(config.precise)
         chains = mode if mode is not None else EstimateChainBuilder()
     precise = chains if isinstance(chains, PreciseMode) else None
-    policy = make_policy(config.routing.policy, config.routing.load_factor)
+    policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
     cost = config.cost.model()
     admission = config.overload.admission()
     client = health_client or _health_client(config)
     fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
-    salter = cache_salter(config, index) if tenants is not None else None
-    if tenants is not None:
+    tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
+    # With tenants, every request carries its cache scope's salt (router/tenants/salt.py).
+    salter = cache_salter(config, index) if tenants.enabled else None
+    if tenants.enabled:
         metrics.enable_tenants()
     proxy = Proxy(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
-        tenants=tenants, salter=salter,
+        tenants=tenants if tenants.enabled else None, salter=salter,
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(
@@ -226,13 +230,13 @@ def build_services(
         admission=admission,
         api_keys=config.security.client_keys(),
         admin_token=config.security.admin_check(),
+        tenants=tenants,
         health_client=client,
         fleet=fleet,
         proxy=proxy,
         outliers=OutlierDetector(lambda: fleet, config.outlier),
         loop_lag=LoopLagMonitor(),
         discoveries=Discoveries(fleet, config.discover, env),
-        tenants=tenants,
         salter=salter,
     )
     services.lifecycle = _lifecycle(services)
@@ -261,7 +265,39 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
             await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry)
 
         stages.append(Stage("precise", ingest, mode.stop))
+    if s.tenants.path is not None:
+        stages.append(TenantReloadOnHangup(s.tenants))
     return [*stages, s.outliers, s.loop_lag, s.discoveries]
+
+
+class TenantReloadOnHangup:
+    """SIGHUP reloads the tenants file in this process (with `--processes N`, signal each
+    process, or call `POST /admin/tenants/reload` on each replica). A bad file is logged and
+    the tenants in force stay."""
+
+    def __init__(self, registry: TenantRegistry) -> None:
+        self._registry = registry
+        self._installed = False
+
+    def _reload(self) -> None:
+        try:
+            table = self._registry.reload()
+        except (OSError, ValueError) as exc:
+            log.error("tenants file not reloaded, the previous tenants stay in force: %s", exc)
+            return
+        log.info("tenants reloaded: %d tenants", len(table))
+
+    async def start(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload)
+            self._installed = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (in-process tests)
+            log.info("SIGHUP reload unavailable here; use POST /admin/tenants/reload")
+
+    async def stop(self) -> None:
+        if self._installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._installed = False
 
 
 async def start_all(services: Services) -> None:

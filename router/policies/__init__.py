@@ -26,15 +26,20 @@ class RoutingSettings:
     (in flight and recent)."""
     recent_half_life_s: float = 30.0
     """Half-life of each worker's decayed count of recent requests (the load board)."""
+    random_seed: int | None = None
+    """`random` only: choose by a hash of this seed and the request's prefix chain (the same
+    request goes to the same worker in every run with this seed; router/policies/random.py)."""
 
 
-def make_policy(name: str, load_factor: float | None = None) -> Policy:
+def make_policy(name: str, load_factor: float | None = None, random_seed: int | None = None) -> Policy:
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
     if load_factor is not None and cls in (SessionPolicy, CacheAwarePolicy):
         return cls(load_factor=load_factor)
+    if cls is RandomPolicy:
+        return RandomPolicy(seed=random_seed)
     return cls()
 
 

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -85,10 +84,7 @@ _NOT_STARTED = _NotStarted()
 
 
 class TenantLookup(Protocol):
-    """Who holds a client key (`TenantTable`, or the holder a reload swaps tables in)."""
-
-    tenants: Mapping[str, Tenant]
-    """By name (`/debug/route?tenant=NAME`)."""
+    """Who holds a client key (`TenantRegistry`: the table in force, swapped on reload)."""
 
     def for_key(self, key: bytes | None) -> Tenant | None: ...
 

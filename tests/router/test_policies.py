@@ -149,3 +149,32 @@ def test_every_policy_is_registered_and_unknown_is_rejected() -> None:
     assert set(POLICIES) == {"random", "round_robin", "least_loaded", "session", "cache_aware"}
     with pytest.raises(ValueError):
         make_policy("fastest")
+
+
+def test_seeded_random_places_each_request_alike_in_any_order() -> None:
+    """Common random numbers: with --random-seed a request's worker is a function of the seed
+    and its chain, so two runs see the same placements whatever order requests arrive in,
+    while distinct requests still spread uniformly and independently."""
+    requests = [RouteRequest(chain(f"session {i}", "turn")) for i in range(4000)]
+    workers = loads("w0", "w1", "w2", "w3")
+    first = make_policy("random", random_seed=7)
+    placed = {id(r): first.choose(r, IndexView({}), workers, COST).worker for r in requests}
+    again = make_policy("random", random_seed=7)
+    for r in reversed(requests):  # another order, a fresh policy, the loads listed otherwise
+        assert again.choose(r, IndexView({}), list(reversed(workers)), COST).worker == placed[id(r)]
+    counts = Counter(placed.values())
+    assert set(counts) == {"w0", "w1", "w2", "w3"}
+    assert all(850 < n < 1150 for n in counts.values()), counts  # 1000 each ± ~5 sigma
+    other = make_policy("random", random_seed=8)
+    moved = sum(other.choose(r, IndexView({}), workers, COST).worker != placed[id(r)] for r in requests)
+    assert 2700 < moved < 3300  # a different seed is an independent draw: 3/4 move
+    # A turn that extends a conversation is a new request: its placement is drawn afresh.
+    follow = [first.choose(RouteRequest(chain(f"session {i}", "turn", "next")), IndexView({}), workers, COST).worker
+              for i in range(4000)]
+    assert 2700 < sum(f != placed[id(r)] for f, r in zip(follow, requests, strict=True)) < 3300
+
+
+def test_unseeded_random_varies_for_one_request() -> None:
+    policy, request = make_policy("random"), RouteRequest(chain("the same prompt"))
+    seen = {policy.choose(request, IndexView({}), loads("a", "b", "c", "d"), COST).worker for _ in range(200)}
+    assert len(seen) == 4

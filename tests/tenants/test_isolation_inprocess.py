@@ -11,6 +11,7 @@ import pytest
 from cache_client.memory import MemoryIndex
 from router.app import build_app
 from router.config_loader import flat_config
+from router.tenants.loader import TenantRegistry
 from router.tenants.model import Tenant, TenantTable
 from router.tenants.salt import CacheSalter
 from router.workers import WorkerSpec
@@ -34,14 +35,13 @@ def chat(content: str = DOC, **extra: object) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 
 
-def app_with(upstream: FakeUpstream, tenants: TenantTable | None = TABLE, **settings: object):
+def app_with(upstream: FakeUpstream, tenants: TenantTable | None = TABLE):
     config = flat_config(
         workers=[WorkerSpec("w1", "http://w1.test"), WorkerSpec("w2", "http://w2.test")],
         policy="cache_aware", api_keys=KEYS, admin_token=ADMIN, tenant_salt_secret=SECRET, load_factor=100,
-        **settings,
     )
     return build_app(config, upstream=upstream, health_client=healthy_workers(), index=MemoryIndex(10**8),
-                     tenants=tenants)
+                     tenants=TenantRegistry(None, tenants))
 
 
 async def send(app, key: str, body: dict, path: str = "/v1/chat/completions"):
