@@ -262,7 +262,8 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
         mode = s.precise
 
         async def ingest() -> None:
-            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry)
+            salts = s.salter.known if s.salter is not None else None
+            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry, salts=salts)
 
         stages.append(Stage("precise", ingest, mode.stop))
     if s.tenants.path is not None:

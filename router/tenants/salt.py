@@ -109,6 +109,10 @@ class CacheSalter:
             salt = self._salts[scope] = derive_salt(self._secret, scope)
         return salt
 
+    def known(self) -> list[str]:
+        """The salts derived so far, the latest 32 (precise mode's event self-check)."""
+        return list(self._salts.values())[-32:]
+
     def __repr__(self) -> str:  # never the secret, in a log or a traceback
         return f"CacheSalter(source={self.source}, scopes={len(self._salts)})"
 

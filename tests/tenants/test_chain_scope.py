@@ -114,3 +114,30 @@ def test_salted_block_hashes_match_vllms_own(algo: str) -> None:
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     mine = [d.hex() for d in BlockHasher(16, algo, seed="0").digests(tokens, cache_salt=A)]
     assert mine == theirs
+
+
+async def test_precise_self_check_knows_the_tenants_salts() -> None:
+    """With tenants every prefix is salted: the KV-event self-check verifies it with the
+    router's salts instead of flagging a misconfiguration; unknown salts are no mismatch
+    once a salted prefix verified, and a misconfigured hasher is still caught."""
+    from cache_client.kv_events import KvEvent, KvEventIngestor, KvEventSource
+    from cache_client.memory import MemoryIndex
+
+    tokens = list(range(64))
+    hasher = BlockHasher(16)
+    src = KvEventSource("w1", "tcp://127.0.0.1:1")
+
+    def stored(salt: str | None) -> KvEvent:
+        return KvEvent("stored", tuple(hasher.keys(tokens, cache_salt=salt)), token_ids=tuple(tokens), block_size=16)
+
+    ing = KvEventIngestor(MemoryIndex(), hasher=hasher)
+    ing.salts = lambda: [A]
+    await ing.apply(src, [stored(A), stored(B), stored(None)])
+    assert ing.stats.of(src.key).hash_checks == 3
+    assert ing.stats.of(src.key).hash_mismatches == 0  # A verified; B: a salt not known yet
+
+    wrong = KvEventIngestor(MemoryIndex(), hasher=BlockHasher(16, "sha256_cbor"))
+    wrong.salts = lambda: [A]
+    wrong.verify_hashes = 2
+    await wrong.apply(src, [stored(A) for _ in range(2)])
+    assert wrong.stats.of(src.key).hash_mismatches == 1  # nothing ever verifies: flagged
