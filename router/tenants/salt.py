@@ -9,7 +9,7 @@ as before.
 With tenants configured the router sets `cache_salt` on every chat, completion, Responses and
 Messages request it forwards, replacing any salt the client sent:
 
-    salt = "kvr1-" + hex(HMAC-SHA256(secret, "kvroute cache salt\\0" + scope_id))[:32]
+    salt = "kvr1-" + hex(HMAC-SHA256(secret, "kvroute cache salt\\0" + scope_id))
 
 `scope_id` is `Tenant.scope_id` (`tenant:NAME` for a private scope, `group:NAME` for a
 sharing group, `NO_TENANT_SCOPE` for requests that match no tenant), so tenants of one group
@@ -58,9 +58,9 @@ _REDIS_KEY = ":tenant-salt-secret"
 
 
 def derive_salt(secret: bytes, scope_id: str) -> str:
-    """The cache salt of one scope (pure; 128 bits of HMAC-SHA256, hex)."""
+    """The cache salt of one scope (pure): the whole HMAC-SHA256, 256 bits as vLLM advises."""
     mac = hmac.new(secret, _DOMAIN + scope_id.encode("utf-8"), hashlib.sha256).hexdigest()
-    return SALT_PREFIX + mac[:32]
+    return SALT_PREFIX + mac
 
 
 def scope_of(tenant: Tenant | None) -> str:
