@@ -131,3 +131,20 @@ async def test_unreachable_redis_falls_back_to_a_process_secret() -> None:
         assert salter.salt_for(ALICE).startswith(SALT_PREFIX)
     finally:
         await backend.close()
+
+
+def test_processes_without_redis_or_secret_share_the_parents(tmp_path: Path) -> None:
+    from router.config_loader import config_from_json, config_to_json
+    from router.serve import check_secrets, with_process_secret
+
+    base = ["--worker", "http://127.0.0.1:1", "--processes", "2"]
+    handed = with_process_secret(load_config(base, {}))
+    secret = handed.isolation.configured_secret()
+    assert secret and config_from_json(config_to_json(handed)).isolation.configured_secret() == secret
+    shared = load_config([*base, "--redis", SYSTEM_REDIS], {})
+    assert with_process_secret(shared).isolation.configured_secret() is None  # Redis decides
+    (tmp_path / "short").write_text("short\n")
+    with pytest.raises(SystemExit, match="at least 16"):
+        check_secrets(load_config([*base, "--tenant-salt-secret-file", str(tmp_path / "short")], {}))
+    with pytest.raises(SystemExit, match="cannot read --tenant-salt-secret-file"):
+        check_secrets(load_config([*base, "--tenant-salt-secret-file", str(tmp_path / "missing")], {}))
