@@ -397,6 +397,11 @@ class KvEventIngestor:
         self._replayed: dict[str, dict[int, float]] = {}
         self._running = False
         self._warned: set[str] = set()
+        self.salts: Callable[[], Sequence[str]] | None = None
+        """With tenants, every prefix is salted (vLLM's `cache_salt`): the salts the router
+        uses, which the self-check tries on a prefix's first block."""
+        self._salted_ok = False
+        self._unknown_salts = 0
 
     # -- locations --
     def _location(self, source: KvEventSource, medium: str | None) -> str | None:
@@ -482,11 +487,27 @@ class KvEventIngestor:
             return
         st.hash_checks += 1
         mine = self.hasher.keys(ev.token_ids)
-        if mine and mine != list(ev.block_hashes[: len(mine)]):
-            # Salted requests legitimately differ; a steady stream of mismatches does not.
-            st.hash_mismatches += 1
-            if st.hash_mismatches >= 3:
-                self._warn(source.worker, "block hashes differ from the router's: check --hash-algo and PYTHONHASHSEED")
+        if not mine or mine == list(ev.block_hashes[: len(mine)]):
+            return
+        if self.salts is not None and self._salted(ev):
+            return
+        # Salted requests legitimately differ; a steady stream of mismatches does not.
+        st.hash_mismatches += 1
+        if st.hash_mismatches >= 3:
+            self._warn(source.worker, "block hashes differ from the router's: check --hash-algo and PYTHONHASHSEED")
+
+    def _salted(self, ev: KvEvent) -> bool:
+        """Whether the prefix is salted with a salt the router knows, or may be with one it
+        does not know yet (another replica's tenant): not a mismatch, unless no salted
+        prefix ever matched (then the hash settings are what differ)."""
+        assert self.hasher is not None and self.salts is not None
+        first = ev.token_ids[: self.hasher.block_size]
+        for salt in self.salts():
+            if self.hasher.keys(first, cache_salt=salt)[:1] == list(ev.block_hashes[:1]):
+                self._salted_ok = True
+                return True
+        self._unknown_salts += 1
+        return self._salted_ok or self._unknown_salts < self.verify_hashes
 
     def _warn(self, worker: str, msg: str) -> None:
         if worker not in self._warned:

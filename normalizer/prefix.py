@@ -150,15 +150,29 @@ def segment_blocks(segments: list[bytes], reply_at: int | None = None) -> tuple[
     return blocks, reply_block
 
 
-def prefix_chain(model: str, segments: list[bytes], reply_at: int | None = None) -> PrefixChain:
+def chain_seed(model: str, cache_salt: str | None = None) -> bytes:
+    """What key 0 chains from: the model, and the request's `cache_salt` if it has one.
+
+    vLLM mixes `cache_salt` into a prompt's first block, so requests with different salts
+    share no block; seeding the chain with it keeps the index from predicting hits across
+    salts (tenants' cache scopes, router/tenants/salt.py), while equal salts share keys."""
+    if not cache_salt:
+        return model.encode()
+    return model.encode() + b"\x00cache_salt\x00" + cache_salt.encode()
+
+
+def prefix_chain(
+    model: str, segments: list[bytes], reply_at: int | None = None, cache_salt: str | None = None
+) -> PrefixChain:
     """Hash the segments once, each chained to its predecessor: one key per segment.
 
     `reply_at`: index of the segment where the last model answer starts (`reply_segment()`).
+    `cache_salt`: the request's vLLM cache salt, which seeds the chain (`chain_seed`).
     """
     digests: list[bytes] = []
     cum: list[int] = []
     blake2b = hashlib.blake2b
-    parent = blake2b(model.encode(), digest_size=8).digest()
+    parent = blake2b(chain_seed(model, cache_salt), digest_size=8).digest()
     total_bytes = 0
     for segment in segments:
         parent = blake2b(segment, digest_size=8, key=parent).digest()

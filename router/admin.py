@@ -30,6 +30,7 @@ from router.workers import Fleet, Worker, WorkerSpec, parse_worker_arg
 
 if TYPE_CHECKING:
     from router.services import Services
+    from router.tenants.model import Tenant
 
 
 def _json(status: int, content: Any) -> Response:
@@ -154,7 +155,9 @@ def register_admin(api: FastAPI, services: Services) -> None:
         path = request.query_params.get("path", "/v1/chat/completions")
         if path not in PROXIED_PATHS:
             raise _bad(f"'path' must be one of {', '.join(PROXIED_PATHS)}.")
-        return _json(200, await explain(services, path, await json_body(request), request.headers.get("x-session-id")))
+        tenant = tenant_named(services, request.query_params.get("tenant"))
+        body = await json_body(request)
+        return _json(200, await explain(services, path, body, request.headers.get("x-session-id"), tenant))
 
 
 def tenants_info(services: Services) -> dict[str, Any]:
@@ -168,7 +171,24 @@ def tenants_info(services: Services) -> dict[str, Any]:
     return {"object": "list", "reloads": services.tenants.reloads, "data": data}
 
 
-async def explain(services: Services, path: str, body: dict[str, Any], session_header: str | None) -> dict[str, Any]:
+def tenant_named(services: Services, name: str | None) -> Tenant | None:
+    """`/debug/route?tenant=NAME`: explain the routing in that tenant's cache scope (with
+    tenants, the index holds each scope's prefixes apart; no `tenant`: the scope of requests
+    without one)."""
+    if name is None:
+        return None
+    table = services.tenants.table
+    if table is None:
+        raise _bad("'tenant' is only meaningful when tenants are configured.")
+    tenant = table.tenants.get(name)
+    if tenant is None:
+        raise RouterError(404, "No tenant by that name.", "tenant_not_found")
+    return tenant
+
+
+async def explain(
+    services: Services, path: str, body: dict[str, Any], session_header: str | None, tenant: Tenant | None = None
+) -> dict[str, Any]:
     """What `Proxy.decide` chooses for this body, and the numbers it chose by.
 
     Everything shown comes from that one decision (its one index lookup, the loads it read,
@@ -180,6 +200,8 @@ async def explain(services: Services, path: str, body: dict[str, Any], session_h
     kind = PROXIED_PATHS[path].kind
     model = validate(body, kind)
     body = proxy.canonical(body, kind)
+    if proxy.salter is not None and kind is not None:  # as the proxy salts it: the scope's keys
+        body["cache_salt"] = proxy.salter.salt_for(tenant)
     routed = await proxy.decide(body, kind, model, session_header or body.get("user"))
     decision, loads = routed.decision, routed.loads
     chosen: dict[str, Any] = {

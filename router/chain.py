@@ -48,8 +48,15 @@ class EstimateChainBuilder:
 
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
         model = str(body.get("model", ""))
+        salt = cache_salt_of(body)  # read before chat_form, which keeps only the prompt
         if kind != "completion":
             body = chat_form(body, kind)
             blocks, reply_block = segment_blocks(chat_segments(body), reply_segment(body))
-            return prefix_chain(model, blocks, reply_block or None)
-        return prefix_chain(model, completion_segments(body))
+            return prefix_chain(model, blocks, reply_block or None, salt)
+        return prefix_chain(model, completion_segments(body), cache_salt=salt)
+
+
+def cache_salt_of(body: dict[str, Any]) -> str | None:
+    """The request's vLLM `cache_salt` (with tenants, always the router's own)."""
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None

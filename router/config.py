@@ -21,6 +21,7 @@ from router.precise.settings import PreciseSettings
 from router.proxy.admission import AdmissionSettings
 from router.proxy.settings import ProxySettings
 from router.tenants.loader import TenantSettings
+from router.tenants.salt import IsolationSettings
 from router.workers import HealthSettings, WorkerSpec
 
 
@@ -60,3 +61,4 @@ class RouterConfig:
     security: SecuritySettings = field(default_factory=SecuritySettings)
     precise: PreciseSettings = field(default_factory=PreciseSettings)
     tenants: TenantSettings = field(default_factory=TenantSettings)
+    isolation: IsolationSettings = field(default_factory=IsolationSettings)

@@ -77,8 +77,12 @@ FLAT_KEYS: dict[str, Slot] = {
     **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
     **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
     "tenants_file": ("tenants", "file"),
+    **_prefixed("isolation", "tenant_", "salt_secret", "salt_secret_file"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
+
+NO_FLAG = frozenset({"tenant_salt_secret"})
+"""Secrets set only by environment or YAML (a flag would show them in ps)."""
 
 LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys", "kv_events": "--kv-events"}
 """Repeatable flags, named in the singular where they take one item."""
@@ -125,6 +129,8 @@ HELP = {
     "kv_events_cpu": "precise mode: where CPU-medium events go: pool (default), worker or ignore",
     "tenants_file": "tenants file (YAML: keys, cache scope, weight, limits per tenant; see docs/tenants.md); "
     "reloaded on SIGHUP or POST /admin/tenants/reload (env KVROUTE_TENANTS)",
+    "tenant_salt_secret_file": "tenants: file holding the secret the per-tenant cache salts derive from "
+    "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }
 
 SECTIONS: dict[str, type] = {
@@ -157,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML config file (env KVROUTE_CONFIG)")
     for name, slot in FLAT_KEYS.items():
+        if name in NO_FLAG:
+            continue
         help_ = HELP.get(name, "")
         if name in LIST_FLAGS:
             parser.add_argument(LIST_FLAGS[name], dest=name, action="append", help=help_)

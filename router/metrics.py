@@ -8,7 +8,12 @@ is all that needs. Exposition follows the Prometheus text format 0.0.4.
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.tenants.model import Tenant
 
 LabelValues = tuple[str, ...]
 
@@ -210,6 +215,99 @@ class RouterMetrics:
         )
         self.worker_inflight = r.gauge("kvroute_worker_inflight", "Requests in flight per worker.", ("worker",))
         self.worker_healthy = r.gauge("kvroute_worker_healthy", "1 if the worker passes health checks.", ("worker",))
+        self.tenants: TenantMetrics | None = None
+        """Per-tenant series, present once tenants are configured (`enable_tenants`)."""
+
+    def enable_tenants(self, max_labels: int = 100) -> TenantMetrics:
+        if self.tenants is None:
+            self.tenants = TenantMetrics(self.registry, max_labels)
+        return self.tenants
+
+    def tenant_rejected(self, tenant: Tenant | None, reason: str) -> None:
+        """For the tenant limits: a request refused (no-op without tenants)."""
+        if self.tenants is not None:
+            self.tenants.rejected(tenant, reason)
+
+    def tenant_queue_wait(self, tenant: Tenant | None, seconds: float) -> None:
+        """For the fair-share queue: how long a request waited (no-op without tenants)."""
+        if self.tenants is not None:
+            self.tenants.waited(tenant, seconds)
 
     def index_backend_state(self, up: bool) -> None:
         self.index_backend_up.set(value=1.0 if up else 0.0)
+
+
+NO_TENANT = "none"
+"""The tenant label of requests without a tenant."""
+OTHER_TENANTS = "other"
+"""The tenant label of tenants beyond `TenantMetrics.max_labels`."""
+
+_USAGE_OUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
+"""Generated tokens in a worker's usage (chat/completions, Responses, Messages). Unescaped
+quotes can only be a JSON key: generated text inside a JSON string has them escaped."""
+
+
+class TenantMetrics:
+    """Per-tenant series (issue 16), labelled by tenant *name*: never a key or prompt text.
+
+    The label set is bounded: the first `max_labels` tenants seen get their own label, later
+    ones share `other`, requests without a tenant are `none`. The limits and the fair-share
+    queue report through `rejected` and `queue_wait`."""
+
+    def __init__(self, r: Registry, max_labels: int = 100) -> None:
+        self.max_labels = max_labels
+        self._labels: dict[str, str] = {}
+        self.requests = r.counter(
+            "kvroute_tenant_requests_total", "Proxied requests per tenant, by HTTP status.", ("tenant", "status")
+        )
+        self.prompt_tokens = r.counter(
+            "kvroute_tenant_prompt_tokens_total", "Estimated prompt tokens of routed requests, per tenant.", ("tenant",)
+        )
+        self.generated_tokens = r.counter(
+            "kvroute_tenant_generated_tokens_total",
+            "Generated tokens per tenant, as the workers' usage reports them (whole answers, and "
+            "streams that carry usage).", ("tenant",),
+        )
+        self.ttft = r.histogram(
+            "kvroute_tenant_ttft_seconds", "Time from arrival to the first streamed byte, per tenant.", ("tenant",)
+        )
+        self.rejections = r.counter(
+            "kvroute_tenant_rejected_total", "Requests refused by the tenant limits, by reason.", ("tenant", "reason")
+        )
+        self.queue_wait = r.histogram(
+            "kvroute_tenant_queue_wait_seconds", "Time a request waited in the fair-share queue, per tenant.",
+            ("tenant",),
+        )
+
+    def label(self, tenant: Tenant | None) -> str:
+        if tenant is None:
+            return NO_TENANT
+        label = self._labels.get(tenant.name)
+        if label is None:
+            label = tenant.name if len(self._labels) < self.max_labels else OTHER_TENANTS
+            if label != OTHER_TENANTS:
+                self._labels[tenant.name] = label
+        return label
+
+    def request(self, tenant: Tenant | None, status: int) -> None:
+        self.requests.inc(self.label(tenant), str(status))
+
+    def prompt(self, tenant: Tenant | None, tokens: int) -> None:
+        self.prompt_tokens.inc(self.label(tenant), amount=tokens)
+
+    def first_byte(self, tenant: Tenant | None, seconds: float) -> None:
+        self.ttft.observe(seconds, self.label(tenant))
+
+    def generated_in(self, tenant: Tenant | None, data: bytes) -> None:
+        """Count the generated tokens a whole answer, or a stream's last chunks, report."""
+        found = _USAGE_OUT.findall(data)
+        if found:
+            self.generated_tokens.inc(self.label(tenant), amount=int(found[-1]))
+
+    def rejected(self, tenant: Tenant | None, reason: str) -> None:
+        """A request the tenant limits refused (`reason`: e.g. requests_per_s, concurrent)."""
+        self.rejections.inc(self.label(tenant), reason)
+
+    def waited(self, tenant: Tenant | None, seconds: float) -> None:
+        """Time a request spent in the fair-share queue before it got its turn."""
+        self.queue_wait.observe(seconds, self.label(tenant))

@@ -37,6 +37,13 @@ def check_secrets(config: RouterConfig) -> None:
     except ValueError as exc:
         raise SystemExit(f"kvroute: --admin-token-file: {exc}") from None
     check_tenants(config)
+    try:
+        config.isolation.configured_secret()
+    except OSError as exc:
+        raise SystemExit(f"kvroute: cannot read --tenant-salt-secret-file: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SystemExit(f"kvroute: tenant_salt_secret: {exc}") from None
+
 
 
 def check_tenants(config: RouterConfig) -> None:
@@ -52,6 +59,18 @@ def check_tenants(config: RouterConfig) -> None:
         raise SystemExit(f"kvroute: cannot read --tenants file: {exc.strerror}") from None
     except ValueError as exc:
         raise SystemExit(f"kvroute: bad tenants file: {exc}") from None
+
+
+def with_process_secret(config: RouterConfig) -> RouterConfig:
+    """`--processes N` without Redis or a configured salt secret: the parent makes one, so
+    that its children derive the same tenant cache salts (router/tenants/salt.py)."""
+    import dataclasses
+
+    from router.tenants.salt import random_secret
+
+    if config.redis.url or config.isolation.configured_secret():
+        return config
+    return dataclasses.replace(config, isolation=dataclasses.replace(config.isolation, salt_secret=random_secret()))
 
 
 def configure_logging(level: str) -> None:
@@ -123,7 +142,7 @@ def cli(argv: list[str]) -> int:
         timeout_keep_alive=server.keep_alive_s,
     )
     if server.processes > 1:
-        hand_to_children(config)
+        hand_to_children(with_process_secret(config))
         uvicorn.run("router.serve:app_from_env", factory=True, workers=server.processes, **common)
     else:
         uvicorn.run(make_app(config, environ), **common)

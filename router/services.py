@@ -38,6 +38,7 @@ from router.proxy.admission import Admission
 from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
 from router.tenants.loader import TenantRegistry
+from router.tenants.salt import CacheSalter
 from router.workers import Fleet
 
 log = logging.getLogger("kvroute")
@@ -117,6 +118,8 @@ class Services:
     outliers: OutlierDetector
     loop_lag: LoopLagMonitor
     discoveries: Discoveries
+    salter: CacheSalter | None = None
+    """With tenants: each cache scope's `cache_salt` (router/tenants/salt.py)."""
     lifecycle: list[Lifecycle] = field(default_factory=list)
     """Started in this order, stopped in reverse."""
 
@@ -149,6 +152,15 @@ def response_owners(config: RouterConfig, index: PrefixIndex) -> ResponseOwners:
     return MemoryResponseOwners()
 
 
+def cache_salter(config: RouterConfig, index: PrefixIndex) -> CacheSalter:
+    """Tenants' cache salts: from the configured secret, else one shared through the
+    index's Redis, else this process's own (router/tenants/salt.py)."""
+    from cache_client.redis_index import RedisIndex
+
+    redis = index.backend if isinstance(index, RedisIndex) else None
+    return CacheSalter(config.isolation.configured_secret(), redis=redis, prefix=config.redis.prefix)
+
+
 def _health_client(config: RouterConfig) -> httpx.AsyncClient:
     p = config.proxy
     return httpx.AsyncClient(
@@ -171,6 +183,7 @@ def build_services(
     metrics: RouterMetrics | None = None,
     upstream: UpstreamClient | None = None,
     health_client: httpx.AsyncClient | None = None,
+    tenants: TenantRegistry | None = None,
 ) -> Services:
     """Every component `config` describes; the keyword arguments replace one each (tests:
     a fake upstream, an httpx MockTransport for health checks, a prepared index)."""
@@ -192,10 +205,16 @@ def build_services(
     fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
+    tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
+    # With tenants, every request carries its cache scope's salt (router/tenants/salt.py).
+    salter = cache_salter(config, index) if tenants.enabled else None
+    if tenants.enabled:
+        metrics.enable_tenants()
     proxy = Proxy(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
+        tenants=tenants if tenants.enabled else None, salter=salter,
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(
@@ -211,13 +230,14 @@ def build_services(
         admission=admission,
         api_keys=config.security.client_keys(),
         admin_token=config.security.admin_check(),
-        tenants=TenantRegistry(config.tenants.file),
+        tenants=tenants,
         health_client=client,
         fleet=fleet,
         proxy=proxy,
         outliers=OutlierDetector(lambda: fleet, config.outlier),
         loop_lag=LoopLagMonitor(),
         discoveries=Discoveries(fleet, config.discover, env),
+        salter=salter,
     )
     services.lifecycle = _lifecycle(services)
     return services
@@ -234,12 +254,16 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
         await s.index.close()
         await s.health_client.aclose()
 
-    stages: list[Lifecycle] = [Stage("index", set_capacities, close_index_and_client), s.proxy, s.fleet]
+    stages: list[Lifecycle] = [Stage("index", set_capacities, close_index_and_client)]
+    if s.salter is not None:  # the salts' secret is settled before the first request
+        stages.append(s.salter)
+    stages += [s.proxy, s.fleet]
     if s.precise is not None:  # KV-event ingestion (router/precise/events.py)
         mode = s.precise
 
         async def ingest() -> None:
-            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry)
+            salts = s.salter.known if s.salter is not None else None
+            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry, salts=salts)
 
         stages.append(Stage("precise", ingest, mode.stop))
     if s.tenants.path is not None:

@@ -58,9 +58,16 @@ def _chain_from(parent: bytes, data: bytes, unit_bytes: int) -> tuple[list[int],
     return out, parent
 
 
-def block_hashes_of(data: bytes, seed: bytes = b"") -> list[int]:
+def salted_seed(seed: bytes, cache_salt: str | None) -> bytes:
+    """The chain's seed for a request with vLLM's `cache_salt`: vLLM mixes the salt into a
+    prompt's first block, so no block is shared between different salts (every later block
+    chains from the first) and the same salt shares as ever."""
+    return seed if not cache_salt else seed + b"\x00cache_salt\x00" + cache_salt.encode()
+
+
+def block_hashes_of(data: bytes, seed: bytes = b"", cache_salt: str | None = None) -> list[int]:
     """The GPU prefix-cache keys of a prompt's full 16-token blocks."""
-    return chain_hashes(data, BLOCK_BYTES, seed)
+    return chain_hashes(data, BLOCK_BYTES, salted_seed(seed, cache_salt))
 
 
 class BlockHasher:
@@ -84,9 +91,10 @@ class BlockHasher:
         """fingerprint of a prefix ending at a piece boundary -> (the piece's block hashes,
         the full digest of its last block, which the chain continues from)"""
 
-    def hashes(self, data: bytes) -> list[int]:
+    def hashes(self, data: bytes, cache_salt: str | None = None) -> list[int]:
         piece_bytes = self.PIECE_BLOCKS * BLOCK_BYTES
-        parent = hashlib.blake2b(self.seed, digest_size=8).digest()
+        # Salted chains start elsewhere, so their piece fingerprints never meet unsalted ones.
+        parent = hashlib.blake2b(salted_seed(self.seed, cache_salt), digest_size=8).digest()
         fingerprint = parent
         out: list[int] = []
         pieces = self._pieces

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from loadtests.sim.engine import chain_hashes
+from loadtests.sim.engine import chain_hashes, salted_seed
 from normalizer.tokens import CHARS_PER_TOKEN
 
 CHUNK_TOKENS = 256
@@ -37,9 +37,10 @@ DEFAULT_CAPACITY_TOKENS = 20_000_000
 """About 2.6 TB of host RAM at the 8B model's 128 KiB per token: a large CPU pool."""
 
 
-def chunk_keys(data: bytes, seed: str) -> list[int]:
-    """Pool keys of the full 256-token chunks of a prompt (`seed`: the model name)."""
-    return chain_hashes(data, CHUNK_TOKENS * CHARS_PER_TOKEN, seed.encode())
+def chunk_keys(data: bytes, seed: str, cache_salt: str | None = None) -> list[int]:
+    """Pool keys of the full 256-token chunks of a prompt (`seed`: the model name). A
+    request's `cache_salt` keys its chunks apart, as it does its GPU blocks."""
+    return chain_hashes(data, CHUNK_TOKENS * CHARS_PER_TOKEN, salted_seed(seed.encode(), cache_salt))
 
 
 class ChunkStore:

@@ -106,6 +106,7 @@ class Job:
     request: dict[str, Any] = field(default_factory=dict)  # the body as received (Responses echo it)
     messages: list[dict[str, Any]] = field(default_factory=list)  # the chat messages rendered
     item_id: str = ""  # the Responses output item / Messages id
+    cache_salt: str | None = None  # vLLM's: keys the prompt's cached blocks apart from other salts
 
 
 def _int_field(body: dict[str, Any], *names: str) -> int | None:
@@ -117,6 +118,17 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
             raise shapes.RequestError(400, f"{name} must be a positive integer, got {value!r}", param=name)
         return value
     return None
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's `cache_salt` (chat, completions, Responses; honoured on Messages here too):
+    absent or null, else a non-empty string, as vLLM checks it."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise shapes.RequestError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    return salt
 
 
 def _is_function_tool(tool: Any) -> bool:
@@ -207,6 +219,7 @@ class SimWorker:
     def _parse_body(self, raw: bytes, kind: str, request_id: str | None) -> Job:
         body = shapes.json_object(raw)
         shapes.check_model(body, self.config.model)
+        cache_salt = _cache_salt(body)  # read here: the agent APIs' chat form drops it
         api, request = kind, body
         if api == "responses":
             body = agent.responses_chat(body, self.store)
@@ -281,6 +294,7 @@ class SimWorker:
             pieces=pieces,
             tool=tool,
             tool_call_id=f"chatcmpl-tool-{uuid.uuid4().hex}" if tool is not None else "",
+            cache_salt=cache_salt,
         )
 
     def _tool_choice(self, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -317,13 +331,13 @@ class SimWorker:
         keys: list[int] = []
         pool_hit = 0
         if self.pool is not None:
-            keys = chunk_keys(job.data, self.config.model)
+            keys = chunk_keys(job.data, self.config.model, job.cache_salt)
             pool_hit = await self.pool.lookup(keys) * CHUNK_TOKENS
         seq = Seq(
             id=job.rid,
             prompt_len=job.prompt_len,
             max_tokens=job.out_tokens,
-            block_hashes=self.hasher.hashes(job.data),
+            block_hashes=self.hasher.hashes(job.data, job.cache_salt),
             arrival=0.0,
             pool_hit_tokens=pool_hit,
             data=job.data if self.publisher is not None else b"",

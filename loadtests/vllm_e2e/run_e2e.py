@@ -183,6 +183,8 @@ class Stack:
     lmcache_http: int = 0
     router: Proc | None = None
     router_port: int = 0
+    worker_args: list[str] = field(default_factory=list)
+    """More vLLM flags for every worker (loadtests/tenants_e2e.py: usage's cached tokens)."""
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **ENV_QUIET}
@@ -219,7 +221,7 @@ class Stack:
             "--dtype", "bfloat16", "--max-model-len", "8192", "--block-size", str(BLOCK),
             "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
             "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
-            *AGENT_API_FLAGS,
+            *AGENT_API_FLAGS, *self.worker_args,
             "--host", "127.0.0.1", "--port", str(w.port),
         ]
         env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -8,7 +8,7 @@ from typing import Any
 
 from normalizer.prefix import PrefixChain, PrefixKey
 from normalizer.vllm_hash import BlockHasher
-from router.chain import ChainBuilder, EstimateChainBuilder, RequestKind, chat_form
+from router.chain import ChainBuilder, EstimateChainBuilder, RequestKind, cache_salt_of, chat_form
 from router.precise.tokenizer import ModelTokenizer, UnsupportedRequest
 
 log = logging.getLogger("kvroute.precise")
@@ -63,5 +63,4 @@ class PreciseChainBuilder:
             self.fallbacks += 1
             log.debug("chat template failed: %s", exc)
             return self._fallback.build(body, kind)
-        salt = body.get("cache_salt")
-        return chain_of_tokens(hasher, tokens, salt if isinstance(salt, str) else None)
+        return chain_of_tokens(hasher, tokens, cache_salt_of(body))

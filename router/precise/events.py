@@ -18,6 +18,8 @@ from router.precise.chain import PreciseChainBuilder
 from router.precise.tokenizer import ModelTokenizer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     import httpx
 
     from cache_client.base import PrefixIndex
@@ -134,9 +136,12 @@ class PreciseMode(PreciseChainBuilder):
             except Exception as exc:  # keep ingesting for known workers whatever discovery does
                 log.error("precise-mode refresh failed: %s", exc_summary(exc))
 
-    async def start(self, *, fleet: Fleet, index: PrefixIndex, registry: Registry) -> None:
+    async def start(
+        self, *, fleet: Fleet, index: PrefixIndex, registry: Registry, salts: Callable[[], Sequence[str]] | None = None
+    ) -> None:
         """Subscribe to the KV events of `fleet`'s workers, applied to `index`; the
-        ingestion counters go to `registry`."""
+        ingestion counters go to `registry`. `salts`: with tenants, the cache salts in use
+        (the events' self-check tries them)."""
         import httpx
 
         from cache_client.kv_events import KvEventIngestor
@@ -145,6 +150,7 @@ class PreciseMode(PreciseChainBuilder):
         self._index = index
         self._client = httpx.AsyncClient(trust_env=False, follow_redirects=False)
         self.ingestor = KvEventIngestor(index, hasher=self.hasher, cpu_medium=self._cpu_medium)
+        self.ingestor.salts = salts
         self.ingestor.register_metrics(registry)
         await self._refresh()
         await self.ingestor.start()

@@ -134,10 +134,17 @@ class Attempt:
                 proxy.fleet.mark_ok(self.worker.name)
             else:
                 self.first_byte(loop.time() - sent_at if relay else None)
+            tenants = proxy.metrics.tenants
             if relay:
                 proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)
+                if tenants is not None:
+                    tenants.first_byte(ex.tenant, time.perf_counter() - ex.arrived)
             headers = response_headers(upstream.headers, self.worker.name, self.reason)
             proxy.metrics.requests.inc(self.worker.name, self.reason, str(status))
+            if tenants is not None:
+                tenants.request(ex.tenant, status)
+                if not relay and status == 200:
+                    tenants.generated_in(ex.tenant, first)
             ex.started = True
             learner = proxy.learner(ex, self.worker.name) if ex.kind == "responses" and status == 200 else None
             if not relay:

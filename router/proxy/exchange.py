@@ -25,6 +25,7 @@ from router.requests import parse_body, validate
 if TYPE_CHECKING:
     from normalizer.canonical import NormalizeOptions
     from router.routing import Routed
+    from router.tenants.model import Tenant
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -47,7 +48,7 @@ class Exchange:
     __slots__ = (
         "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "headers", "kind",
         "last_error", "model", "payload", "queue_deadline", "scope", "send", "session_key",
-        "started", "stream", "tried", "turn",
+        "started", "stream", "tenant", "tried", "turn",
     )  # fmt: skip
 
     def __init__(self, scope: dict, send: Any, arrived: float) -> None:
@@ -77,14 +78,22 @@ class Exchange:
         """Holds a slot handed over by the admission queue, until it takes a ticket."""
         self.queue_deadline = 0.0
         """Loop time by which a queued request must have a slot (0: never queued yet)."""
+        self.tenant: Tenant | None = None
+        """Whose request this is: resolved once from the client key (None: no tenants, or
+        a key no tenant holds)."""
 
-    def load(self, raw: bytes, settings: ProxySettings, normalize: NormalizeOptions) -> None:
-        """Parse the body once, check it, and serialise its canonical form for forwarding."""
+    def load(
+        self, raw: bytes, settings: ProxySettings, normalize: NormalizeOptions, cache_salt: str | None = None
+    ) -> None:
+        """Parse the body once, check it, and serialise its canonical form for forwarding.
+        `cache_salt` (tenants' cache isolation) replaces any the client sent."""
         kind = self.kind = self.endpoint.kind
         body = parse_body(raw)
         self.model = validate(body, kind, self.endpoint.model_optional)
         try:
             body = canonical(body, kind, normalize)
+            if cache_salt is not None and kind is not None:
+                body["cache_salt"] = cache_salt
             self.payload = orjson.dumps(body)
         except (orjson.JSONEncodeError, RecursionError):
             # orjson parses 1024 levels of nesting but serialises 254: deeper is bad input.

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
@@ -31,6 +31,7 @@ from cache_client.response_owners import MemoryResponseOwners
 from cache_client.served_ends import ServedEnds
 from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
+from router.auth import presented_key
 from router.chain import ChainBuilder, RequestKind
 from router.cost import CostModel
 from router.errors import RouterError
@@ -48,6 +49,10 @@ from router.proxy.stateful import Learner, ResponsesAffinity, owner_unavailable,
 from router.proxy.upstream import Headers, UpstreamClient, UpstreamResponse, make_upstream_client
 from router.routing import Routed, RouteRequest
 from router.workers import Fleet, Worker
+
+if TYPE_CHECKING:
+    from router.tenants.model import Tenant
+    from router.tenants.salt import CacheSalter
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -78,6 +83,12 @@ class _NotStarted:
 _NOT_STARTED = _NotStarted()
 
 
+class TenantLookup(Protocol):
+    """Who holds a client key (`TenantRegistry`: the table in force, swapped on reload)."""
+
+    def for_key(self, key: bytes | None) -> Tenant | None: ...
+
+
 class Proxy:
     def __init__(
         self,
@@ -96,8 +107,14 @@ class Proxy:
         pool_enabled: bool = False,
         affinity: ResponsesAffinity | None = None,
         ends: ServedEnds | None = None,
+        tenants: TenantLookup | None = None,
+        salter: CacheSalter | None = None,
     ) -> None:
         self.settings = settings
+        self.tenants = tenants
+        """Tenants by client key (None: no tenants configured)."""
+        self.salter = salter
+        """With tenants: the `cache_salt` of each request's cache scope (router/tenants/salt.py)."""
         self.normalize = normalize if normalize is not None else NormalizeOptions()
         self.pool_enabled = pool_enabled
         """Workers share an LMCache pool: every routed prefix is also recorded on the pool."""
@@ -128,7 +145,10 @@ class Proxy:
         try:
             raw = await read_body(scope, receive, self.settings.max_body_bytes)
             watcher = asyncio.create_task(self._watch(ex, receive, task))  # type: ignore[arg-type]
-            ex.load(raw, self.settings, self.normalize)
+            if self.tenants is not None:
+                ex.tenant = self.tenants.for_key(presented_key(scope["headers"]))
+            salt = self.salter.salt_for(ex.tenant) if self.salter is not None else None
+            ex.load(raw, self.settings, self.normalize, salt)
             await self._handle(ex)
         except Disconnected:
             self.metrics.client_disconnects.inc()
@@ -272,6 +292,8 @@ class Proxy:
         if ex.kind is not None:
             self.metrics.prompt_tokens.inc(amount=choice.chain.total_tokens)
             self.metrics.predicted_cached.inc(amount=choice.decision.cached_tokens)
+            if self.metrics.tenants is not None:
+                self.metrics.tenants.prompt(ex.tenant, choice.chain.total_tokens)
 
     async def _wait_for_slot(self, ex: Exchange) -> None:
         """Queue until the admission hands this request a slot (429 if none comes in time)."""

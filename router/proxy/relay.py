@@ -69,6 +69,7 @@ async def relay_stream(
     loop = asyncio.get_running_loop()
     idle = proxy.settings.idle_timeout_s
     tail = b""
+    last = previous = first  # usage arrives in the last chunks: per-tenant generated tokens
     try:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
@@ -86,6 +87,7 @@ async def relay_stream(
                 prefilling = False
                 proxy.loads.first_byte(attempt.ticket)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            previous, last = last, chunk
             if learner is not None:
                 learner.feed(chunk)
     except asyncio.CancelledError:
@@ -109,6 +111,8 @@ async def relay_stream(
         attempt.interrupted("stream broken")
         tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
+    if metrics.tenants is not None and not tail:
+        metrics.tenants.generated_in(ex.tenant, previous + last if previous is not last else last)
     if learner is not None:
         await learner.settle()
     ex.finished = True
