@@ -82,7 +82,10 @@ def prompt_of(tokens: int, tag: str) -> str:
 
 async def one(client: httpx.AsyncClient, url: str, flow: Flow, t0: float, seq: int) -> None:
     sent = time.perf_counter()
-    body = {"model": MODEL[0], "stream": True, "max_tokens": flow.max_tokens,
+    # Output lengths vary (uniform over 1..2 × the mean, fixed per flow and sequence number):
+    # equal lengths would keep a saturated fleet's slots finishing in synchronized waves.
+    max_tokens = random.Random(f"{flow.name}-{seq}").randint(1, 2 * flow.max_tokens - 1)
+    body = {"model": MODEL[0], "stream": True, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": f"{flow.name}-{seq} {flow.prompt}"}]}
     sample = Sample(sent - t0, 0)
     try:
@@ -251,7 +254,8 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
 ROUTER_SERIES = (
     "kvroute_tenant_rejected_total", "kvroute_rejected_total", "kvroute_tenant_ttft_seconds_sum",
     "kvroute_tenant_ttft_seconds_count", "kvroute_tenant_queue_wait_seconds_sum",
-    "kvroute_tenant_queue_wait_seconds_count",
+    "kvroute_tenant_queue_wait_seconds_count", "kvroute_event_loop_lag_seconds_sum",
+    "kvroute_event_loop_lag_seconds_count",
 )
 """The router's own view (server-side TTFT and queue wait per tenant): if the client's
 figures disagree with these, the client or the machine is the bottleneck, not the router."""
@@ -345,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-fifo", action="store_true", help="rerun the burst without tenants (FIFO queue)")
     args = p.parse_args(argv)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with stop_children_on_signals(), tempfile.TemporaryDirectory(prefix="tenant-limits-") as tmp:
+    with stop_children_on_signals(), tempfile.TemporaryDirectory(prefix="tenant-limits-") as tmp0:
+        tmp = os.environ.get("TENANT_LIMITS_LOG_DIR") or tmp0
         tenants_file = os.path.join(tmp, "tenants.yaml")
         with open(tenants_file, "w") as fh:
             fh.write(TENANTS)
