@@ -217,6 +217,9 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             def steady() -> Flow:
                 return Flow("steady", "sk-steady", args.steady_rate, prompt_of(args.prompt_tokens, "steady"), 16)
 
+            # Warm-up (connections, first requests), unmeasured; then steady alone before and
+            # after the run with the capped tenant, so that drift on a shared machine shows.
+            asyncio.run(poisson(urls, [steady()], 5.0, seed=0))
             alone = steady()
             asyncio.run(poisson(urls, [alone], args.duration, seed=1))
             capped = Flow("capped", "sk-capped", args.capped_rate, prompt_of(args.prompt_tokens, "capped"), 16)
@@ -226,6 +229,9 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             events = {window[0]: redis_server.kill, window[1]: redis_server.start}
             asyncio.run(poisson(urls, [capped, together], args.duration, seed=2, events=events))
             metrics = [r.metrics() for r in routers]
+            time.sleep(2.0)  # the capped tenant's last requests have left
+            alone_after = steady()
+            asyncio.run(poisson(urls, [alone_after], args.duration, seed=1))
         finally:
             for r in routers:
                 r.stop()
@@ -239,15 +245,20 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
                    "accepted_within_10pct": abs(accepted["accepted_per_s"] - limit) <= 0.1 * limit},
         "capped_during_outage": summary(capped, args.duration, window),
         "steady_alone": summary(alone, args.duration),
+        "steady_alone_after": summary(alone_after, args.duration),
         "steady_with_capped": summary(together, args.duration),
         "steady_during_outage": summary(together, args.duration, window),
         "router_counters": _counters(metrics, ROUTER_SERIES),
         "load_average_after": load_average(),
     })
-    a, b = out["steady_alone"]["ttft_s"], out["steady_with_capped"]["ttft_s"]
-    if a["mean"] and b["mean"]:
-        out["steady_ttft_mean_ratio"] = round(b["mean"] / a["mean"], 3)
-        out["steady_ttft_p50_ratio"] = round(b["p50"] / a["p50"], 3)
+    b = out["steady_with_capped"]["ttft_s"]
+    for name in ("steady_alone", "steady_alone_after"):
+        a = out[name]["ttft_s"]
+        if a["mean"] and b["mean"]:
+            out[f"steady_ttft_ratio_vs_{name.removeprefix('steady_')}"] = {
+                "mean": round(b["mean"] / a["mean"], 3), "p50": round(b["p50"] / a["p50"], 3),
+                "p99": round(b["p99"] / a["p99"], 3),
+            }
     return out
 
 
