@@ -345,7 +345,7 @@ class Proxy:
         if not ex.queue_deadline:
             ex.queue_deadline = asyncio.get_running_loop().time() + admission.queue_timeout_s
         requeue, ex.turn = ex.turn, False
-        loop_t0 = time.perf_counter()
+        t0 = time.perf_counter()
         try:
             await admission.wait(
                 ex.queue_deadline, requeue=requeue, pass_on=requeue and self._room_anywhere(), flow=_flow(ex)
@@ -354,7 +354,7 @@ class Proxy:
             self.metrics.tenant_rejected(ex.tenant, "queue")
             raise
         finally:
-            self.metrics.tenant_queue_wait(ex.tenant, time.perf_counter() - loop_t0)
+            self.metrics.tenant_queue_wait(ex.tenant, time.perf_counter() - t0)
         ex.turn = True
 
     async def _try_ranking(self, ex: Exchange, choice: Routed) -> _Outcome:
