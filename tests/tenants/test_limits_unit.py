@@ -179,3 +179,15 @@ def test_full_queue_refuses_the_heaviest_flows_newest(loop) -> None:
     assert queue.make_room(FLOWS["light"]) is heavy[-1]
     waiters(loop, queue, FLOWS["light"], 2)  # 5 vs 4: would be 5 vs 5 after joining
     assert queue.make_room(FLOWS["light"]) is None
+
+
+def test_without_tenants_the_queue_stays_fifo() -> None:
+    from router.config_loader import flat_config
+    from router.proxy.admission import AdmissionSettings
+    from router.services import build_services
+
+    settings = AdmissionSettings(max_inflight_per_worker=2)
+    assert isinstance(settings.admission()._waiters, FifoQueue)
+    assert isinstance(settings.admission(fair=True)._waiters, FairQueue)
+    services = build_services(flat_config(max_inflight_per_worker=2))
+    assert isinstance(services.admission._waiters, FifoQueue) and services.proxy.limiter is None
