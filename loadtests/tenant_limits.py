@@ -38,12 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import orjson
 
 from loadtests.processes import stop_children_on_signals
 from loadtests.replicas import RedisServer
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from router.proxy.upstream import UpstreamClient, UpstreamError, make_upstream_client
 
 TENANTS = """\
 tenants:
@@ -80,27 +81,39 @@ def prompt_of(tokens: int, tag: str) -> str:
     return f"[{tag}] " + ("Summarise the quarterly report's risk section in detail. " * (tokens // 14 + 1))[: tokens * 4]
 
 
-async def one(client: httpx.AsyncClient, url: str, flow: Flow, t0: float, seq: int) -> None:
+def make_client() -> UpstreamClient:
+    """The router's own raw asyncio client: O(1) per request however many connections are
+    open. (httpx costs O(open connections) per request: with a burst's hundreds of queued
+    requests it became the bottleneck and its TTFTs ran tens of seconds past the router's.)"""
+    return make_upstream_client(connect_timeout_s=30.0, max_connections=100_000, kind="raw")
+
+
+async def one(client: UpstreamClient, url: str, flow: Flow, t0: float, seq: int) -> None:
     sent = time.perf_counter()
     # Output lengths vary (uniform over 1..2 × the mean, fixed per flow and sequence number):
     # equal lengths would keep a saturated fleet's slots finishing in synchronized waves.
     max_tokens = random.Random(f"{flow.name}-{seq}").randint(1, 2 * flow.max_tokens - 1)
-    body = {"model": MODEL[0], "stream": True, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"{flow.name}-{seq} {flow.prompt}"}]}
+    body = orjson.dumps({"model": MODEL[0], "stream": True, "max_tokens": max_tokens,
+                         "messages": [{"role": "user", "content": f"{flow.name}-{seq} {flow.prompt}"}]})
+    headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {flow.key}".encode())]
     sample = Sample(sent - t0, 0)
+    resp = None
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                                 headers={"authorization": f"Bearer {flow.key}"}) as resp:
-            sample.status = resp.status_code
-            sample.retry_after = resp.headers.get("retry-after")
-            async for _ in resp.aiter_raw():
+        resp = await client.post(url, "/v1/chat/completions", headers, body)
+        sample.status = resp.status
+        sample.retry_after = next((v.decode() for k, v in resp.headers if k.lower() == b"retry-after"), None)
+        if resp.status == 200:
+            async for _ in resp.chunks():
                 if sample.ttft_s is None:
                     sample.ttft_s = time.perf_counter() - sent
-            sample.total_s = time.perf_counter() - sent
-    except httpx.HTTPError as exc:
+        else:
+            await resp.read()
+        sample.total_s = time.perf_counter() - sent
+    except (UpstreamError, OSError, asyncio.TimeoutError) as exc:
         sample.error = type(exc).__name__
-    if sample.status != 200:
-        sample.ttft_s = None
+    finally:
+        if resp is not None:
+            await resp.aclose()
     flow.samples.append(sample)
 
 
@@ -112,8 +125,8 @@ async def poisson(urls: Sequence[str], flows: Sequence[Flow], duration_s: float,
     """Open-loop Poisson arrivals per flow for `duration_s`, each request to the next URL in
     turn; `events`: {second: callable} run once that second is reached. Returns t0."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+    client = make_client()
+    try:
         t0 = time.perf_counter()
         tasks: list[asyncio.Task] = []
         next_url = itertools.cycle(urls)
@@ -138,13 +151,16 @@ async def poisson(urls: Sequence[str], flows: Sequence[Flow], duration_s: float,
 
         await asyncio.gather(timeline(), *(arrivals(f) for f in flows))
         await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
     return t0
 
 
 async def closed_loop(url: str, flow: Flow, concurrency: int, duration_s: float) -> float:
     """Completed requests per second with `concurrency` clients always waiting on an answer."""
     done = 0
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=concurrency)) as c:
+    c = make_client()
+    try:
         t0 = time.perf_counter()
         seq = itertools.count()
 
@@ -156,6 +172,8 @@ async def closed_loop(url: str, flow: Flow, concurrency: int, duration_s: float)
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
+    finally:
+        await c.aclose()
     ok = sum(1 for s in flow.samples if s.status == 200)
     flow.samples.clear()
     return ok / elapsed
