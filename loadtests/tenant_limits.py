@@ -7,10 +7,11 @@ overload, on simulated vLLM workers. JSON on stdout (and in `--out`).
 6390, never the system Redis) in front of two simulated workers. Tenant `capped`
 (requests_per_s 10) offers 50 requests/s (Poisson) spread round-robin over the replicas;
 tenant `steady` (no limits) offers `--steady-rate` at the same time. The Redis server is
-killed for `--outage-s` in the middle of the run and started again. The same `steady` load
-is first run alone, for its TTFT without the capped tenant. Reported: capped's accepted
-rate, its 429s (each must carry Retry-After), any other status (a failure); steady's 429s,
-failures and TTFT alone and together; the same counts inside the outage window.
+killed for `--outage-s` in the middle of the run and started again. Reported: capped's
+accepted rate, its 429s (each must carry Retry-After), any other status (a failure);
+steady's 429s and failures; the same counts inside the outage window. Then steady's TTFT
+alone against beside the capped tenant, in `--ab-blocks` alternating blocks (alone, beside,
+alone, ...) so that drift on a shared machine falls on both alike.
 
 `fairness`: one replica, `--max-inflight-per-worker` slots per simulated worker. The
 fleet's capacity is measured first (a closed loop holding every slot busy for
@@ -235,11 +236,8 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             def steady() -> Flow:
                 return Flow("steady", "sk-steady", args.steady_rate, prompt_of(args.prompt_tokens, "steady"), 16)
 
-            # Warm-up (connections, first requests), unmeasured; then steady alone before and
-            # after the run with the capped tenant, so that drift on a shared machine shows.
+            # Warm-up (connections, first requests), unmeasured.
             asyncio.run(poisson(urls, [steady()], 5.0, seed=0))
-            alone = steady()
-            asyncio.run(poisson(urls, [alone], args.duration, seed=1))
             capped = Flow("capped", "sk-capped", args.capped_rate, prompt_of(args.prompt_tokens, "capped"), 16)
             together = steady()
             start = args.duration / 2 - args.outage_s / 2
@@ -247,9 +245,13 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             events = {window[0]: redis_server.kill, window[1]: redis_server.start}
             asyncio.run(poisson(urls, [capped, together], args.duration, seed=2, events=events))
             metrics = [r.metrics() for r in routers]
-            time.sleep(2.0)  # the capped tenant's last requests have left
-            alone_after = steady()
-            asyncio.run(poisson(urls, [alone_after], args.duration, seed=1))
+            # Steady's TTFT alone against beside the capped tenant, in alternating blocks:
+            # on a shared machine TTFT drifts between runs by more than the 10 % compared.
+            alone, beside = steady(), steady()
+            for block in range(args.ab_blocks):
+                asyncio.run(poisson(urls, [alone], args.ab_block_s, seed=100 + block))
+                capped_ab = Flow("capped", "sk-capped", args.capped_rate, capped.prompt, 16)
+                asyncio.run(poisson(urls, [capped_ab, beside], args.ab_block_s, seed=200 + block))
         finally:
             for r in routers:
                 r.stop()
@@ -262,21 +264,20 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
         "capped": {"limit_requests_per_s": limit, **accepted,
                    "accepted_within_10pct": abs(accepted["accepted_per_s"] - limit) <= 0.1 * limit},
         "capped_during_outage": summary(capped, args.duration, window),
-        "steady_alone": summary(alone, args.duration),
-        "steady_alone_after": summary(alone_after, args.duration),
         "steady_with_capped": summary(together, args.duration),
         "steady_during_outage": summary(together, args.duration, window),
+        "ab_blocks": {"blocks": args.ab_blocks, "block_s": args.ab_block_s},
+        "steady_alone_ab": summary(alone, args.ab_blocks * args.ab_block_s),
+        "steady_beside_capped_ab": summary(beside, args.ab_blocks * args.ab_block_s),
         "router_counters": _counters(metrics, ROUTER_SERIES),
         "load_average_after": load_average(),
     })
-    b = out["steady_with_capped"]["ttft_s"]
-    for name in ("steady_alone", "steady_alone_after"):
-        a = out[name]["ttft_s"]
-        if a["mean"] and b["mean"]:
-            out[f"steady_ttft_ratio_vs_{name.removeprefix('steady_')}"] = {
-                "mean": round(b["mean"] / a["mean"], 3), "p50": round(b["p50"] / a["p50"], 3),
-                "p99": round(b["p99"] / a["p99"], 3),
-            }
+    a, b = out["steady_alone_ab"]["ttft_s"], out["steady_beside_capped_ab"]["ttft_s"]
+    if a["mean"] and b["mean"]:
+        out["steady_ttft_ratio_beside_vs_alone"] = {
+            q: round(b[q] / a[q], 3) for q in ("mean", "p50", "p99")
+        }
+        out["steady_ttft_mean_within_10pct"] = abs(b["mean"] / a["mean"] - 1) <= 0.10
     return out
 
 
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capped-rate", type=float, default=50.0)
     p.add_argument("--steady-rate", type=float, default=10.0)
     p.add_argument("--outage-s", type=float, default=10.0)
+    p.add_argument("--ab-blocks", type=int, default=6, help="alternating blocks: steady alone / beside capped")
+    p.add_argument("--ab-block-s", type=float, default=10.0)
     # fairness
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--max-inflight", type=int, default=4, help="--max-inflight-per-worker of the router")
