@@ -51,6 +51,7 @@ TENANTS = """\
 tenants:
   capped: {keys: [sk-capped], limits: {requests_per_s: 10}}
   steady: {keys: [sk-steady]}
+  control: {keys: [sk-control]}
   x: {keys: [sk-x]}
   y: {keys: [sk-y]}
 """
@@ -223,6 +224,7 @@ def load_average() -> list[float]:
 # -- scenario: limits across replicas, Redis outage -----------------------------------------
 def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"load_average_before": load_average()}
+    limit = 10.0  # capped's requests_per_s in TENANTS
     with SimCluster(workers=2, time_scale=args.time_scale, pool=False) as cluster, \
             RedisServer(port=args.redis_port) as redis_server:
         MODEL[0] = cluster.model
@@ -249,15 +251,19 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             metrics = [r.metrics() for r in routers]
             # Steady's TTFT alone against beside the capped tenant, in alternating blocks:
             # on a shared machine TTFT drifts between runs by more than the 10 % compared.
-            alone, beside = steady(), steady()
+            # A third block, beside an unlimited tenant sending what capped gets accepted
+            # (10/s), separates the cost of the accepted share (the workers are shared) from
+            # that of the refused 40/s.
+            alone, beside, control = steady(), steady(), steady()
             for block in range(args.ab_blocks):
                 asyncio.run(poisson(urls, [alone], args.ab_block_s, seed=100 + block))
                 capped_ab = Flow("capped", "sk-capped", args.capped_rate, capped.prompt, 16)
-                asyncio.run(poisson(urls, [capped_ab, beside], args.ab_block_s, seed=200 + block))
+                asyncio.run(poisson(urls, [capped_ab, beside], args.ab_block_s, seed=100 + block))
+                other = Flow("control", "sk-control", limit, capped.prompt, 16)
+                asyncio.run(poisson(urls, [other, control], args.ab_block_s, seed=100 + block))
         finally:
             for r in routers:
                 r.stop()
-    limit = 10.0
     accepted = summary(capped, args.duration)
     out.update({
         "replicas": args.replicas,
@@ -271,6 +277,7 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
         "ab_blocks": {"blocks": args.ab_blocks, "block_s": args.ab_block_s},
         "steady_alone_ab": summary(alone, args.ab_blocks * args.ab_block_s),
         "steady_beside_capped_ab": summary(beside, args.ab_blocks * args.ab_block_s),
+        "steady_beside_control_ab": summary(control, args.ab_blocks * args.ab_block_s),
         "router_counters": _counters(metrics, ROUTER_SERIES),
         "load_average_after": load_average(),
     })
@@ -280,6 +287,11 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             q: round(b[q] / a[q], 3) for q in ("mean", "p50", "p99")
         }
         out["steady_ttft_mean_within_10pct"] = abs(b["mean"] / a["mean"] - 1) <= 0.10
+    c = out["steady_beside_control_ab"]["ttft_s"]
+    if c["mean"] and b["mean"]:
+        out["steady_ttft_ratio_beside_capped_vs_beside_control"] = {
+            q: round(b[q] / c[q], 3) for q in ("mean", "p50", "p99")
+        }
     return out
 
 
