@@ -84,3 +84,20 @@ async def test_the_check_rides_in_the_lookup_round_trip(limiters) -> None:
     # A request that looked nothing up sends its check alone.
     assert not isinstance(await check(limiter, tenant), RouterError)
     assert index.stats["lookup_calls"] == calls_before + 1 and limiter.stats["remote"] == 2
+
+
+async def test_riding_works_on_a_redis_cluster(redis_cluster) -> None:
+    # The limits' keys share the index's hash tag: the pipeline goes to one node.
+    index = RedisIndex(RedisBackend(parse_redis_url(redis_cluster.url), budget_s=1.0), prefix="tl-cluster")
+    try:
+        assert await index.connect()
+        limiter = TenantLimiter(index, prefix="tl-cluster", budget_s=5.0)
+        tenant = Tenant("acme", ("k",), limits=TenantLimits(requests_per_s=0.5))
+        pending = limiter.begin(tenant, 10)
+        await index.lookup([1, 2, 3])
+        assert pending.reply is not None and pending.reply.done()
+        assert (await limiter.settle(pending)).remote
+        refused = await check(limiter, tenant)
+        assert isinstance(refused, OverLimit) and refused.limit == RATE
+    finally:
+        await index.close()
