@@ -187,6 +187,23 @@ class RedisBackend:
         except NoScriptError:
             return await client.execute_command("EVAL", script.source, 1, key, *args)
 
+    async def scripts(self, calls: Sequence[tuple[Script, str, Sequence[Any]]]) -> list[Any]:
+        """Several script calls in one round trip (a pipeline, not a transaction: each runs
+        atomically on its own). Each reply is the script's answer or the error it raised;
+        a connection failure raises. A script Redis does not know yet (first call, Redis
+        restarted) is sent again with EVAL: one more trip, once."""
+        pipe = self.client().pipeline(transaction=False)
+        for script, key, args in calls:
+            pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+        replies = list(await pipe.execute(raise_on_error=False))
+        for i, (script, key, args) in enumerate(calls):
+            if isinstance(replies[i], NoScriptError):
+                try:
+                    replies[i] = await self.client().execute_command("EVAL", script.source, 1, key, *args)
+                except RedisError as exc:
+                    replies[i] = exc
+        return replies
+
     async def _ping(self) -> Any:
         return await self.client().execute_command("PING")
 

@@ -115,6 +115,18 @@ def _unpack_depths(packed: bytes) -> dict[str, int]:
 _EXPIRED: Any = object()
 
 
+def _settle_riders(riders: list[Rider], replies: BaseException | Sequence[Any]) -> None:
+    for i, (_, _, _, fut) in enumerate(riders):
+        if fut.done():
+            continue
+        reply = replies if isinstance(replies, BaseException) else replies[i]
+        if isinstance(reply, BaseException):
+            fut.set_exception(reply)
+            fut.exception()  # retrieved here: a rider whose caller stopped waiting logs nothing
+        else:
+            fut.set_result(reply)
+
+
 def _expire_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
     # One more loop turn first: a reply that arrived in the turn the timer fired in is
     # still being handed up through the client's callbacks.
@@ -130,6 +142,8 @@ _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 
 Op = tuple[Any, ...]
+Rider = tuple[Script, str, Sequence[Any], asyncio.Future]
+"""A script call riding in a lookup call's round trip: script, key, args, its reply's future."""
 
 
 def _op_keys(op: Op) -> int:
@@ -188,6 +202,8 @@ class RedisIndex:
         self._backlog_limit = backlog_limit
         self._piggyback_ops = piggyback_ops
         self._lookups: deque[tuple[bytes, asyncio.Future]] = deque()
+        self._riders: deque[Rider] = deque()
+        """Other script calls (the tenant limits') waiting to ride in the next lookup call."""
         self._lookup_calls = 0
         self._max_lookup_calls = max_lookup_calls
         self._max_lookups_per_call = max_lookups_per_call
@@ -288,15 +304,65 @@ class RedisIndex:
             self._resync_needed = True
             self._kick()
 
-    async def _call(self, ops: Iterable[Op], query: str = "", chains: Sequence[bytes] = ()) -> list[Any]:
+    def _args(self, ops: Iterable[Op], query: str = "", chains: Sequence[bytes] = ()) -> list[Any]:
         self._epoch_calls += 1
         candidate = f"{self._epoch_base}-{self._epoch_calls}"
         args: list[Any] = [self.tag, self._ttl_us, self._default_capacity, candidate, query, len(chains), *chains]
         for op in ops:
             args.extend(op)
-        result = await self._backend.script(INDEX_SCRIPT, self._locs_key, args)
+        return args
+
+    async def _call(self, ops: Iterable[Op], query: str = "", chains: Sequence[bytes] = ()) -> list[Any]:
+        result = await self._backend.script(INDEX_SCRIPT, self._locs_key, self._args(ops, query, chains))
         self._seen_epoch(result[0])
         return result
+
+    async def _call_with_riders(self, ops: list[Op], chains: Sequence[bytes], riders: list[Rider]) -> list[Any]:
+        """A lookup call, with the riders' script calls pipelined behind it: one round trip."""
+        if not riders:
+            return await self._call(ops, "L", chains)
+        calls = [(INDEX_SCRIPT, self._locs_key, self._args(ops, "L", chains))]
+        calls += [(script, key, args) for script, key, args, _ in riders]
+        try:
+            replies = await self._backend.scripts(calls)
+        except BaseException as exc:
+            _settle_riders(riders, exc)
+            raise
+        _settle_riders(riders, replies[1:])
+        if isinstance(replies[0], BaseException):
+            raise replies[0]
+        self._seen_epoch(replies[0][0])
+        return replies[0]
+
+    # -- riders ------------------------------------------------------------------------------
+    def ride(self, script: Script, key: str, args: Sequence[Any]) -> asyncio.Future:
+        """Queue a script call (`key` in this index's hash tag) to ride in the round trip of
+        the next lookup call; its future gets the reply, or the exception raised. Whoever
+        did not look anything up after queueing sends it alone with `send_riders`."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._riders.append((script, key, args, fut))
+        return fut
+
+    def send_riders(self) -> None:
+        """Send the riders still waiting for a lookup call, in a call of their own."""
+        if self._riders:
+            riders = list(self._riders)
+            self._riders.clear()
+            if self._backend.up:
+                self._backend.spawn(self._riders_alone(riders))
+            else:
+                _settle_riders(riders, ConnectionError("redis is unreachable"))
+
+    async def _riders_alone(self, riders: list[Rider]) -> None:
+        try:
+            replies = await self._backend.scripts([(script, key, args) for script, key, args, _ in riders])
+        except Exception as exc:
+            if not isinstance(exc, REDIS_ERRORS):
+                log.error("redis rider call failed unexpectedly: %s", exc_summary(exc))
+            _settle_riders(riders, exc)
+            self._backend.failed(exc)
+            return
+        _settle_riders(riders, replies)
 
     async def _probe(self) -> Any:
         return await self._call(())
@@ -382,14 +448,18 @@ class RedisIndex:
             return
         # Writes still queued ride along: this replica reads its own writes, at no extra trip.
         ops = self._take(self._piggyback_ops) if len(self._pending) <= self._piggyback_ops else []
+        riders = list(self._riders)
+        self._riders.clear()
         self._lookup_calls += 1
-        self._backend.spawn(self._lookup_call(batch, ops))
+        self._backend.spawn(self._lookup_call(batch, ops, riders))
 
-    async def _lookup_call(self, batch: list[tuple[bytes, asyncio.Future]], ops: list[Op]) -> None:
+    async def _lookup_call(
+        self, batch: list[tuple[bytes, asyncio.Future]], ops: list[Op], riders: list[Rider] | None = None
+    ) -> None:
         views: list[IndexView | None] = [None] * len(batch)
         t0 = time.perf_counter()
         try:
-            result = await self._call(ops, "L", [chain for chain, _ in batch])
+            result = await self._call_with_riders(ops, [chain for chain, _ in batch], riders or [])
             self.stats["lookup_calls"] += 1
             for i, packed in enumerate(result[1:]):
                 views[i] = IndexView(_unpack_depths(packed))

@@ -77,6 +77,8 @@ FLAT_KEYS: dict[str, Slot] = {
     **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
     **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
     "tenants_file": ("tenants", "file"),
+    "tenant_replicas": ("tenants", "replicas"),
+    "tenant_concurrency_lease_s": ("tenants", "concurrency_lease_s"),
     **_prefixed("isolation", "tenant_", "salt_secret", "salt_secret_file"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
@@ -129,6 +131,10 @@ HELP = {
     "kv_events_cpu": "precise mode: where CPU-medium events go: pool (default), worker or ignore",
     "tenants_file": "tenants file (YAML: keys, cache scope, weight, limits per tenant; see docs/tenants.md); "
     "reloaded on SIGHUP or POST /admin/tenants/reload (env KVROUTE_TENANTS)",
+    "tenant_replicas": "tenants: router replicas sharing the limits, for the share each enforces while "
+    "Redis is unreachable (0: as many as the load board last saw in Redis)",
+    "tenant_concurrency_lease_s": "tenants: longest a request holds its tenant's concurrency slot in Redis "
+    "(slots of a replica that died free after it)",
     "tenant_salt_secret_file": "tenants: file holding the secret the per-tenant cache salts derive from "
     "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }

@@ -298,11 +298,15 @@ class TenantMetrics:
     def first_byte(self, tenant: Tenant | None, seconds: float) -> None:
         self.ttft.observe(seconds, self.label(tenant))
 
-    def generated_in(self, tenant: Tenant | None, data: bytes) -> None:
-        """Count the generated tokens a whole answer, or a stream's last chunks, report."""
+    def generated_in(self, tenant: Tenant | None, data: bytes) -> int:
+        """Count the generated tokens a whole answer, or a stream's last chunks, report
+        (and return them: the tenant's token limit is charged them too)."""
         found = _USAGE_OUT.findall(data)
-        if found:
-            self.generated_tokens.inc(self.label(tenant), amount=int(found[-1]))
+        if not found:
+            return 0
+        tokens = int(found[-1])
+        self.generated_tokens.inc(self.label(tenant), amount=tokens)
+        return tokens
 
     def rejected(self, tenant: Tenant | None, reason: str) -> None:
         """A request the tenant limits refused (`reason`: e.g. requests_per_s, concurrent)."""

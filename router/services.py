@@ -37,6 +37,7 @@ from router.proxy import Proxy
 from router.proxy.admission import Admission
 from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
+from router.tenants.enforce import TenantLimiter
 from router.tenants.loader import TenantRegistry
 from router.tenants.salt import CacheSalter
 from router.workers import Fleet
@@ -161,6 +162,20 @@ def cache_salter(config: RouterConfig, index: PrefixIndex) -> CacheSalter:
     return CacheSalter(config.isolation.configured_secret(), redis=redis, prefix=config.redis.prefix)
 
 
+def tenant_limiter(config: RouterConfig, index: PrefixIndex, loads: LoadBoard) -> TenantLimiter:
+    """The tenant limits: shared through the index's Redis when it has one (the check rides
+    in the index lookup's round trip), else this process's alone."""
+    from cache_client.redis_index import RedisIndex
+
+    settings = config.tenants
+
+    def replicas() -> int:
+        return settings.replicas or int(getattr(loads, "replicas", 1))
+
+    redis = index if isinstance(index, RedisIndex) else None
+    return TenantLimiter(redis, prefix=config.redis.prefix, replicas=replicas, lease_s=settings.concurrency_lease_s)
+
+
 def _health_client(config: RouterConfig) -> httpx.AsyncClient:
     p = config.proxy
     return httpx.AsyncClient(
@@ -200,12 +215,13 @@ def build_services(
     precise = chains if isinstance(chains, PreciseMode) else None
     policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
     cost = config.cost.model()
-    admission = config.overload.admission()
+    tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
+    # With tenants the wait queue serves them by weighted fair share (router/proxy/fair.py).
+    admission = config.overload.admission(fair=tenants.enabled)
     client = health_client or _health_client(config)
     fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
-    tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
     # With tenants, every request carries its cache scope's salt (router/tenants/salt.py).
     salter = cache_salter(config, index) if tenants.enabled else None
     if tenants.enabled:
@@ -215,6 +231,7 @@ def build_services(
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
         tenants=tenants if tenants.enabled else None, salter=salter,
+        limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(

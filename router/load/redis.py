@@ -72,6 +72,9 @@ class RedisLoadBoard(LocalLoadBoard):
         self._synced_at = -math.inf
         self._task: asyncio.Task | None = None
         self.syncs = 0
+        self.replicas = 1
+        """Live replicas (this one included) at the last sync: kept while Redis is away, for
+        the share of the tenant limits each replica enforces meanwhile."""
         backend.on_close.append(self._leave)
         # Heartbeat from the moment Redis answers, not from this replica's first request:
         # other replicas (and operators) see every live replica.
@@ -119,6 +122,7 @@ class RedisLoadBoard(LocalLoadBoard):
                 r.queued_prefill_s += float(queued)
                 r.recent += float(recent)
         self._remote = remote
+        self.replicas = 1 + len(others)
         self._synced_at = now
         self.syncs += 1
         return True

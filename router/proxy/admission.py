@@ -12,17 +12,20 @@ handler asks the same questions either way and never checks for a missing admiss
 
 Fairness: while anyone waits, new arrivals queue behind them instead of grabbing the next
 free slot, and a slot that frees is handed to the head of the queue (`_handoffs` counts
-slots promised to woken waiters that have not claimed them yet).
+slots promised to woken waiters that have not claimed them yet). Which waiter is the head
+is the wait queue's business: `FifoQueue` (arrival order, the behaviour without tenants),
+or with tenants `FairQueue` (router/proxy/fair.py: weighted fair share of tokens), so one
+tenant's burst cannot starve the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
 from router.errors import RouterError
+from router.proxy.fair import NO_FLOW, FairQueue, FifoQueue, Flow, WaitQueue
 
 
 class Admission:
@@ -37,11 +40,15 @@ class Admission:
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
-        self._waiters: deque[asyncio.Future[bool]] = deque()
+        self._waiters: WaitQueue = FifoQueue()
         self._queued = 0
         self._handoffs = 0
         self.rejected_full = 0
         self.rejected_timeout = 0
+
+    def use_queue(self, queue: WaitQueue) -> None:
+        """Serve waiters in `queue`'s order (before the first request)."""
+        self._waiters = queue
 
     def has_room(self, inflight: int) -> bool:
         return inflight < self.per_worker
@@ -62,8 +69,14 @@ class Admission:
             retry_after=self.retry_after_s,
         )
 
-    async def wait(self, deadline: float, *, requeue: bool = False, pass_on: bool = False) -> None:
-        """Wait until a slot frees up and is handed to this request.
+    def charge(self, flow: Flow, tokens: int) -> None:
+        """`flow` was served `tokens` (the fair queue's counters; FIFO ignores it)."""
+        self._waiters.charge(flow, tokens)
+
+    async def wait(
+        self, deadline: float, *, requeue: bool = False, pass_on: bool = False, flow: Flow = NO_FLOW
+    ) -> None:
+        """Wait until a slot frees up and is handed to this request (`flow`: whose it is).
 
         On return the caller holds a handoff: it must call `end_turn()` once it has taken a
         slot or given up, or call `wait(requeue=True)` if it found no slot it could use
@@ -72,8 +85,13 @@ class Admission:
         RouterError(429) when the queue is full or `deadline` (loop time) passes first.
         """
         if self._queued >= self.queue_size and not requeue:
-            self.rejected_full += 1
-            raise self._overloaded("queue full")
+            # A fair queue makes room by refusing the newest waiter of the flow holding the
+            # most places, unless that is this request's own flow.
+            victim = self._waiters.make_room(flow)
+            if victim is None:
+                self.rejected_full += 1
+                raise self._overloaded("queue full")
+            victim.set_result(None)
         loop = asyncio.get_running_loop()
         remaining = deadline - loop.time()
         if remaining <= 0:
@@ -83,17 +101,15 @@ class Admission:
             raise self._overloaded("no slot freed in time")
         if len(self._waiters) > 2 * self.queue_size + 16:
             # Futures that expired or were cancelled stay until popped; drop them now and
-            # then so that the deque stays bounded even if no slot frees for a long time.
-            self._waiters = deque(f for f in self._waiters if not f.done())
-        fut: asyncio.Future[bool] = loop.create_future()
+            # then so that the queue stays bounded even if no slot frees for a long time.
+            self._waiters.compact()
+        fut: asyncio.Future[bool | None] = loop.create_future()
         self._queued += 1
+        self._waiters.push(fut, flow, front=requeue)
         if requeue:
-            self._waiters.appendleft(fut)
             self._handoffs -= 1
             if pass_on:
                 self.released(skip_first=True)
-        else:
-            self._waiters.append(fut)
         timer = loop.call_later(remaining, _expire, fut)
         try:
             await fut
@@ -106,10 +122,14 @@ class Admission:
         finally:
             timer.cancel()
             if not _handed(fut):
-                # Leaves the queue here (expired or cancelled); released() skips it.
+                # Leaves the queue here (expired, evicted or cancelled); released() skips it.
                 if not fut.done():
                     fut.cancel()
                 self._queued -= 1
+                self._waiters.left(flow)
+        if fut.result() is None:
+            self.rejected_full += 1
+            raise self._overloaded("queue full")
         if not _handed(fut):
             self.rejected_timeout += 1
             raise self._overloaded("no slot freed in time")
@@ -119,21 +139,12 @@ class Admission:
         self._handoffs -= 1
 
     def released(self, *, skip_first: bool = False) -> None:
-        """A slot freed up: hand it to the first live waiter (or the second: `skip_first`)."""
-        skipped: asyncio.Future[bool] | None = None
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if fut.done():
-                continue
-            if skip_first and skipped is None:
-                skipped = fut
-                continue
+        """A slot freed up: hand it to the next live waiter (or the one after: `skip_first`)."""
+        fut = self._waiters.pop(skip_first=skip_first)
+        if fut is not None:
             self._queued -= 1
             self._handoffs += 1
             fut.set_result(True)
-            break
-        if skipped is not None:
-            self._waiters.appendleft(skipped)
 
 
 class NoAdmission(Admission):
@@ -150,8 +161,13 @@ class NoAdmission(Admission):
     def busy(self) -> bool:
         return False
 
-    async def wait(self, deadline: float, *, requeue: bool = False, pass_on: bool = False) -> None:
+    async def wait(
+        self, deadline: float, *, requeue: bool = False, pass_on: bool = False, flow: Flow = NO_FLOW
+    ) -> None:
         return None  # a slot is always free
+
+    def charge(self, flow: Flow, tokens: int) -> None:
+        return None
 
     def end_turn(self) -> None:
         return None
@@ -160,11 +176,11 @@ class NoAdmission(Admission):
         return None
 
 
-def _handed(fut: asyncio.Future[bool]) -> bool:
-    return fut.done() and not fut.cancelled() and fut.result()
+def _handed(fut: asyncio.Future[bool | None]) -> bool:
+    return fut.done() and not fut.cancelled() and fut.result() is True
 
 
-def _expire(fut: asyncio.Future[bool]) -> None:
+def _expire(fut: asyncio.Future[bool | None]) -> None:
     if not fut.done():
         fut.set_result(False)
 
@@ -180,8 +196,12 @@ class AdmissionSettings:
     queue_timeout_s: float = 10.0
     retry_after_s: int = 1
 
-    def admission(self) -> Admission:
-        """Per-worker in-flight limits and the wait queue, or none (`max_inflight_per_worker` 0)."""
+    def admission(self, *, fair: bool = False) -> Admission:
+        """Per-worker in-flight limits and the wait queue, or none (`max_inflight_per_worker` 0).
+        `fair` (tenants configured): waiters are served by weighted fair share, not FIFO."""
         if self.max_inflight_per_worker <= 0:
             return NoAdmission()
-        return Admission(self.max_inflight_per_worker, self.queue_size, self.queue_timeout_s, self.retry_after_s)
+        admission = Admission(self.max_inflight_per_worker, self.queue_size, self.queue_timeout_s, self.retry_after_s)
+        if fair:
+            admission.use_queue(FairQueue())
+        return admission

@@ -144,7 +144,7 @@ class Attempt:
             if tenants is not None:
                 tenants.request(ex.tenant, status)
                 if not relay and status == 200:
-                    tenants.generated_in(ex.tenant, first)
+                    ex.generated = tenants.generated_in(ex.tenant, first)
             ex.started = True
             learner = proxy.learner(ex, self.worker.name) if ex.kind == "responses" and status == 200 else None
             if not relay:

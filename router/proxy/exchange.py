@@ -25,6 +25,7 @@ from router.requests import parse_body, validate
 if TYPE_CHECKING:
     from normalizer.canonical import NormalizeOptions
     from router.routing import Routed
+    from router.tenants.enforce import Grant
     from router.tenants.model import Tenant
 
 Headers = list[tuple[bytes, bytes]]
@@ -46,8 +47,8 @@ class Disconnected(Exception):
 
 class Exchange:
     __slots__ = (
-        "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "headers", "kind",
-        "last_error", "model", "payload", "queue_deadline", "scope", "send", "session_key",
+        "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "generated", "grant",
+        "headers", "kind", "last_error", "model", "payload", "queue_deadline", "scope", "send", "session_key",
         "started", "stream", "tenant", "tried", "turn",
     )  # fmt: skip
 
@@ -81,6 +82,10 @@ class Exchange:
         self.tenant: Tenant | None = None
         """Whose request this is: resolved once from the client key (None: no tenants, or
         a key no tenant holds)."""
+        self.grant: Grant | None = None
+        """The tenant limits' hold on this request, given back whichever way it ends."""
+        self.generated = 0
+        """Generated tokens the answer's usage reported (with tenants: charged to the tenant)."""
 
     def load(
         self, raw: bytes, settings: ProxySettings, normalize: NormalizeOptions, cache_salt: str | None = None

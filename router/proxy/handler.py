@@ -43,14 +43,18 @@ from router.proxy.admission import Admission, NoAdmission
 from router.proxy.attempt import Attempt, AttemptFailed
 from router.proxy.deadlines import Deadlines
 from router.proxy.exchange import Disconnected, Exchange, canonical, read_body
+from router.proxy.fair import NO_FLOW, Flow
 from router.proxy.relay import send_whole
 from router.proxy.settings import ProxySettings
 from router.proxy.stateful import Learner, ResponsesAffinity, owner_unavailable, previous_id
 from router.proxy.upstream import Headers, UpstreamClient, UpstreamResponse, make_upstream_client
 from router.routing import Routed, RouteRequest
+from router.tenants.enforce import OverLimit
+from router.tenants.limits import REASONS
 from router.workers import Fleet, Worker
 
 if TYPE_CHECKING:
+    from router.tenants.enforce import TenantLimiter
     from router.tenants.model import Tenant
     from router.tenants.salt import CacheSalter
 
@@ -109,8 +113,11 @@ class Proxy:
         ends: ServedEnds | None = None,
         tenants: TenantLookup | None = None,
         salter: CacheSalter | None = None,
+        limiter: TenantLimiter | None = None,
     ) -> None:
         self.settings = settings
+        self.limiter = limiter
+        """With tenants: their limits (router/tenants/enforce.py)."""
         self.tenants = tenants
         """Tenants by client key (None: no tenants configured)."""
         self.salter = salter
@@ -181,6 +188,18 @@ class Proxy:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            self._finished(ex)
+
+    def _finished(self, ex: Exchange) -> None:
+        """Every end path (answer, error, disconnect, cancel): give back the tenant's hold
+        and charge the generated tokens to its limits and its fair share."""
+        if ex.tenant is None:
+            return
+        if ex.grant is not None and self.limiter is not None:
+            grant, ex.grant = ex.grant, None
+            self.limiter.finish(grant, ex.generated)
+        if ex.generated:
+            self.admission.charge(_flow(ex), ex.generated)
 
     @staticmethod
     async def _watch(ex: Exchange, receive: Any, task: asyncio.Task) -> None:
@@ -208,19 +227,20 @@ class Proxy:
         return canonical(body, kind, self.normalize)
 
     async def decide(
-        self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None
+        self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None,
+        chain: PrefixChain | None = None,
     ) -> Routed:
         """Everything between a canonical body and a worker: the part `/debug/route` explains.
         It only reads (the index, the loads, the ends memory): what routing a request teaches
         the router is recorded when the request is sent (`_try_ranking`), so a dry run
-        changes no later decision."""
+        changes no later decision. `chain`: the body's, if already built."""
         if kind == "responses" and (prev := previous_id(body)) is not None:
             return await self._pinned(body, prev)
         candidates = self._candidates(model)
         if kind is None:
             chain, view, continues = _EMPTY_CHAIN, EMPTY_VIEW, None
         else:
-            chain = self.chains.build(body, kind)
+            chain = chain if chain is not None else self.chains.build(body, kind)
             view, continues = EMPTY_VIEW, None
             if self.policy.uses_index:
                 t0 = time.perf_counter()
@@ -263,11 +283,16 @@ class Proxy:
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:
         admission = self.admission
+        first: Routed | None = None
         try:
+            if self.limiter is not None and self.limiter.applies(ex.tenant):
+                first = await self._check_limits(ex, decide=not admission.busy())
             if admission.busy():
+                first = None  # decided again after the wait: the loads will have changed
                 await self._wait_for_slot(ex)
             while True:
-                choice = await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
+                choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
+                first = None
                 if ex.choice is None:
                     self._observe_route(ex, choice)
                 ex.choice = choice
@@ -286,6 +311,25 @@ class Proxy:
             raise owner_unavailable(prev)
         raise RouterError(502, f"The request failed on every worker tried ({ex.last_error}).", "upstream_unavailable")
 
+    async def _check_limits(self, ex: Exchange, *, decide: bool) -> Routed | None:
+        """The tenant's limits (429 naming the one exceeded). With `decide`, the routing
+        decision is made meanwhile, so that the check rides in its index lookup's round trip."""
+        assert self.limiter is not None and ex.tenant is not None
+        chain = self.chains.build(ex.body, ex.kind) if ex.kind is not None else _EMPTY_CHAIN
+        pending = self.limiter.begin(ex.tenant, chain.total_tokens)
+        choice = None
+        try:
+            if decide:
+                choice = await self.decide(ex.body, ex.kind, ex.model, ex.session_key, chain=chain)
+        finally:
+            # Settled even if deciding failed: the check may have been charged in Redis.
+            try:
+                ex.grant = await self.limiter.settle(pending)
+            except OverLimit as exc:
+                self.metrics.tenant_rejected(ex.tenant, REASONS[exc.limit])
+                raise
+        return choice
+
     def _observe_route(self, ex: Exchange, choice: Routed) -> None:
         """The first decision's metrics (a request re-ranked after queueing counts once)."""
         self.metrics.route_seconds.observe(time.perf_counter() - ex.arrived)
@@ -301,7 +345,16 @@ class Proxy:
         if not ex.queue_deadline:
             ex.queue_deadline = asyncio.get_running_loop().time() + admission.queue_timeout_s
         requeue, ex.turn = ex.turn, False
-        await admission.wait(ex.queue_deadline, requeue=requeue, pass_on=requeue and self._room_anywhere())
+        t0 = time.perf_counter()
+        try:
+            await admission.wait(
+                ex.queue_deadline, requeue=requeue, pass_on=requeue and self._room_anywhere(), flow=_flow(ex)
+            )
+        except RouterError:
+            self.metrics.tenant_rejected(ex.tenant, "queue")
+            raise
+        finally:
+            self.metrics.tenant_queue_wait(ex.tenant, time.perf_counter() - t0)
         ex.turn = True
 
     async def _try_ranking(self, ex: Exchange, choice: Routed) -> _Outcome:
@@ -337,6 +390,8 @@ class Proxy:
                 ex.turn = False
             ex.attempts += 1
             ex.tried.add(name)
+            if ex.attempts == 1 and ex.tenant is not None:
+                admission.charge(_flow(ex), chain.total_tokens)  # its fair share: served now
             # One try on one worker, inline rather than a coroutine of its own: every frame
             # between the task and the upstream read is re-entered on each chunk relayed.
             try:
@@ -388,3 +443,9 @@ class Proxy:
     async def stop(self) -> None:
         await self.deadlines.close()
         await self.client.aclose()
+
+
+def _flow(ex: Exchange) -> Flow:
+    """The request's flow in the fair-share queue: its tenant (weighted), or none."""
+    tenant = ex.tenant
+    return NO_FLOW if tenant is None else Flow(tenant.name, tenant.weight)

@@ -112,7 +112,7 @@ async def relay_stream(
         tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
     if metrics.tenants is not None and not tail:
-        metrics.tenants.generated_in(ex.tenant, previous + last if previous is not last else last)
+        ex.generated = metrics.tenants.generated_in(ex.tenant, previous + last if previous is not last else last)
     if learner is not None:
         await learner.settle()
     ex.finished = True

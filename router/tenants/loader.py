@@ -35,6 +35,13 @@ class TenantSettings:
 
     file: str | None = None
     """The tenants file; None: no tenants (every key shares one cache scope and the global limits)."""
+    replicas: int = 0
+    """Router replicas sharing the limits through Redis, for the per-replica share each
+    enforces while Redis is unreachable (limit ÷ replicas). 0: the live replicas the load
+    board last saw in Redis (every process of every router counts)."""
+    concurrency_lease_s: float = 600.0
+    """A request in flight holds its tenant's concurrency slot in Redis at most this long:
+    the slots of a replica that died free themselves after it."""
 
 
 class TenantConfigError(ValueError):
