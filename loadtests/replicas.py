@@ -307,6 +307,9 @@ class ConversationLoad:
     model: str = SIM_MODEL
     timeout_s: float = 60.0
     seed: int = 1
+    fresh_connections: bool = False
+    """A new connection per request: processes sharing one listening socket (`--processes`)
+    each accept some, where kept-alive connections may all have gone to one of them."""
     results: list[TurnResult] = field(default_factory=list)
 
     async def run(self) -> list[TurnResult]:
@@ -316,7 +319,8 @@ class ConversationLoad:
             t += rng.expovariate(self.arrival_rate)
             starts.append(t)
         t0 = time.monotonic()
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        keepalive = 0 if self.fresh_connections else 1000
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=keepalive)
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False) as client:
             await asyncio.gather(*(self._conversation(client, c, starts[c], t0, random.Random(rng.random()))
                                    for c in range(self.conversations)))
