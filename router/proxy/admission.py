@@ -16,6 +16,16 @@ slots promised to woken waiters that have not claimed them yet). Which waiter is
 is the wait queue's business: `FifoQueue` (arrival order, the behaviour without tenants),
 or with tenants `FairQueue` (router/proxy/fair.py: weighted fair share of tokens), so one
 tenant's burst cannot starve the others.
+
+Slot reservation (with the fair queue only): while more than one tenant is active, a tenant
+holding at least its weighted share of the fleet's slots may not take the last free slots
+that the other active tenants below their share are likely to need soon (`reserved_slots`
+in fair.py; `Activity` keeps the counts). Such a tenant's request waits even with a slot
+free; a light tenant arriving takes that slot at once, not queued behind it (`busy(flow)`).
+Every release hands out as many free slots as the rule lets the waiters take, so held-back
+waiters are woken as soon as it no longer holds them (a tenant held back holds slots, whose
+releases re-evaluate it: no hang), and the queue timeout still answers 429 + Retry-After.
+Slots are counted across the serving workers (`bind_slots`), whatever their models.
 """
 
 from __future__ import annotations
