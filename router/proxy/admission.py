@@ -177,6 +177,11 @@ class Admission:
         self._waiters.push(fut, flow, front=requeue)
         if self.activity is not None:
             self.activity.queued(flow, 1)
+            if not requeue:
+                # Free slots the rule lets waiters take (this one's or others': e.g. a light
+                # tenant's request taking a slot ended a reservation) are handed out now, not
+                # at the next release.
+                self.released()
         if requeue:
             self._handoffs -= 1
             if pass_on:

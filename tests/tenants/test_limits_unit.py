@@ -320,3 +320,19 @@ def test_admission_keeps_reserved_slots_for_the_light_tenant_then_wakes_the_heav
         assert adm.queued == 0 and not adm.busy(x)
 
     loop.run_until_complete(scenario())
+
+
+def test_a_waiter_queued_beside_a_free_slot_it_may_take_is_handed_it_at_once(loop) -> None:
+    from router.proxy.admission import Admission
+
+    async def scenario() -> None:
+        adm = Admission(per_worker=4, queue_timeout_s=30.0)
+        adm.use_queue(FairQueue())
+        adm.bind_slots(lambda: (1, 16))  # one slot free (e.g. on a worker the ranking skipped)
+        fut = asyncio.ensure_future(adm.wait(asyncio.get_running_loop().time() + 30.0, flow=Flow("x")))
+        await asyncio.wait_for(fut, 5.0)
+        assert adm.queued == 0 and adm.busy(Flow("x"))  # it holds the handoff until end_turn
+        adm.end_turn()
+        assert not adm.busy(Flow("x"))
+
+    loop.run_until_complete(scenario())
