@@ -214,6 +214,9 @@ def summary(flow: Flow, duration_s: float, window: tuple[float, float] | None = 
             "max": round(max(ttft), 4) if ttft else None,
         },
         "total_s_mean": round(statistics.fmean([s.total_s for s in ok if s.total_s]), 4) if ok else None,
+        # When the worst TTFTs were sent (seconds into the phase): start-up or steady state.
+        "slowest": [[round(s.sent_at, 2), round(s.ttft_s, 3)]
+                    for s in sorted(ok, key=lambda s: s.ttft_s or 0.0, reverse=True)[:5] if s.ttft_s is not None],
     }
 
 

@@ -16,16 +16,27 @@ slots promised to woken waiters that have not claimed them yet). Which waiter is
 is the wait queue's business: `FifoQueue` (arrival order, the behaviour without tenants),
 or with tenants `FairQueue` (router/proxy/fair.py: weighted fair share of tokens), so one
 tenant's burst cannot starve the others.
+
+Slot reservation (with the fair queue only): while more than one tenant is active, a tenant
+holding at least its weighted share of the fleet's slots may not take the last free slots
+that the other active tenants below their share are likely to need soon (`reserved_slots`
+in fair.py; `Activity` keeps the counts). Such a tenant's request waits even with a slot
+free; a light tenant arriving takes that slot at once, not queued behind it (`busy(flow)`).
+Every release hands out as many free slots as the rule lets the waiters take, so held-back
+waiters are woken as soon as it no longer holds them (a tenant held back holds slots, whose
+releases re-evaluate it: no hang), and the queue timeout still answers 429 + Retry-After.
+Slots are counted across the serving workers (`bind_slots`), whatever their models.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 from router.errors import RouterError
-from router.proxy.fair import NO_FLOW, FairQueue, FifoQueue, Flow, WaitQueue
+from router.proxy.fair import NO_FLOW, Activity, FairQueue, FifoQueue, Flow, WaitQueue
 
 
 class Admission:
@@ -45,10 +56,57 @@ class Admission:
         self._handoffs = 0
         self.rejected_full = 0
         self.rejected_timeout = 0
+        self.activity: Activity | None = None
+        """With the fair queue: the tenants' slots in flight and recent demand, for the slot
+        reservation (`reserved_slots` in fair.py). None: no reservation (FIFO, as before)."""
+        self.slots: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """(free, total) slots across the serving workers (the proxy's, `bind_slots`)."""
 
     def use_queue(self, queue: WaitQueue) -> None:
-        """Serve waiters in `queue`'s order (before the first request)."""
+        """Serve waiters in `queue`'s order (before the first request); a fair queue also
+        reserves slots for tenants below their share."""
         self._waiters = queue
+        if isinstance(queue, FairQueue):
+            self.activity = Activity()
+
+    def bind_slots(self, slots: Callable[[], tuple[int, int]]) -> None:
+        self.slots = slots
+
+    # -- slot reservation (fair queue only) ------------------------------------------------
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def arrived(self, flow: Flow) -> None:
+        if self.activity is not None:
+            self.activity.seen(flow, self._now())
+
+    def took(self, flow: Flow) -> None:
+        """A request of `flow` took a slot."""
+        if self.activity is not None:
+            self.activity.took(flow, self._now())
+
+    def gave_back(self, flow: Flow) -> None:
+        """A request of `flow` gave its slot back (call before `released`)."""
+        if self.activity is not None:
+            self.activity.gave_back(flow, self._now())
+
+    def may_take(self, flow: Flow, *, holding_turn: bool = False) -> bool:
+        """`flow` may take a free slot: there is one the reservation leaves it. Slots promised
+        to woken waiters (but this request's own, `holding_turn`) are not free."""
+        activity = self.activity
+        if activity is None:
+            return True
+        free, total = self.slots()
+        free -= self._handoffs - (1 if holding_turn else 0)
+        return activity.may_take(flow, free, total, self._now())
+
+    def _allowed(self, name: str) -> bool:
+        assert self.activity is not None
+        return self.may_take(Flow(name, self.activity.weights.get(name, 1.0)))
+
+    def _reserving(self) -> bool:
+        activity = self.activity
+        return activity is not None and len(activity.active(self._now())) > 1
 
     def has_room(self, inflight: int) -> bool:
         return inflight < self.per_worker
@@ -57,9 +115,17 @@ class Admission:
     def queued(self) -> int:
         return self._queued
 
-    def busy(self) -> bool:
-        """Someone is ahead of a new arrival: it must queue rather than take a free slot."""
-        return self._queued > 0 or self._handoffs > 0
+    def busy(self, flow: Flow = NO_FLOW) -> bool:
+        """Someone is ahead of a new arrival of `flow`: it must queue rather than take a free
+        slot. With the reservation, waiters held back by it are not ahead of a tenant the
+        held-back slots are reserved for: that one takes a free slot at once."""
+        if self._queued == 0 and self._handoffs == 0:
+            return False
+        if self.activity is None or not self._reserving():
+            return True
+        # Slots promised to woken waiters are not free to this one (`may_take`).
+        assert isinstance(self._waiters, FairQueue)
+        return any(self._allowed(name) for name in self._waiters.backlogged()) or not self.may_take(flow)
 
     def _overloaded(self, why: str) -> RouterError:
         return RouterError(
@@ -74,14 +140,17 @@ class Admission:
         self._waiters.charge(flow, tokens)
 
     async def wait(
-        self, deadline: float, *, requeue: bool = False, pass_on: bool = False, flow: Flow = NO_FLOW
+        self, deadline: float, *, requeue: bool = False, pass_on: bool = False, flow: Flow = NO_FLOW,
+        held_back: bool = False,
     ) -> None:
         """Wait until a slot frees up and is handed to this request (`flow`: whose it is).
 
         On return the caller holds a handoff: it must call `end_turn()` once it has taken a
         slot or given up, or call `wait(requeue=True)` if it found no slot it could use
         (it goes back to the head of the queue; `pass_on`: a slot is free that it cannot
-        use, e.g. on another model's worker, so the next waiter is woken for it). Raises
+        use, e.g. on another model's worker, so the next waiter is woken for it; with
+        `held_back`, the slot is reserved for other tenants: it goes to a waiter the
+        reservation lets take it, never back to this flow's). Raises
         RouterError(429) when the queue is full or `deadline` (loop time) passes first.
         """
         if self._queued >= self.queue_size and not requeue:
@@ -106,10 +175,17 @@ class Admission:
         fut: asyncio.Future[bool | None] = loop.create_future()
         self._queued += 1
         self._waiters.push(fut, flow, front=requeue)
+        if self.activity is not None:
+            self.activity.queued(flow, 1)
+            if not requeue:
+                # Free slots the rule lets waiters take (this one's or others': e.g. a light
+                # tenant's request taking a slot ended a reservation) are handed out now, not
+                # at the next release.
+                self.released()
         if requeue:
             self._handoffs -= 1
             if pass_on:
-                self.released(skip_first=True)
+                self.released(skip_first=not held_back)
         timer = loop.call_later(remaining, _expire, fut)
         try:
             await fut
@@ -121,6 +197,8 @@ class Admission:
             raise
         finally:
             timer.cancel()
+            if self.activity is not None:
+                self.activity.queued(flow, -1)
             if not _handed(fut):
                 # Leaves the queue here (expired, evicted or cancelled); released() skips it.
                 if not fut.done():
@@ -139,9 +217,19 @@ class Admission:
         self._handoffs -= 1
 
     def released(self, *, skip_first: bool = False) -> None:
-        """A slot freed up: hand it to the next live waiter (or the one after: `skip_first`)."""
-        fut = self._waiters.pop(skip_first=skip_first)
-        if fut is not None:
+        """A slot freed up: hand it to the next live waiter (or the one after: `skip_first`).
+
+        With the fair queue, to as many waiters as there are free slots the reservation lets
+        them take (slots it held back and no longer does, e.g. the light tenant went idle,
+        go to the waiters now, not one per later release)."""
+        if self.activity is None:
+            fut = self._waiters.pop(skip_first=skip_first)
+            if fut is not None:
+                self._queued -= 1
+                self._handoffs += 1
+                fut.set_result(True)
+            return
+        while (fut := self._waiters.pop(skip_first=skip_first, allow=self._allowed)) is not None:
             self._queued -= 1
             self._handoffs += 1
             fut.set_result(True)
@@ -158,11 +246,12 @@ class NoAdmission(Admission):
     def has_room(self, inflight: int) -> bool:
         return True
 
-    def busy(self) -> bool:
+    def busy(self, flow: Flow = NO_FLOW) -> bool:
         return False
 
     async def wait(
-        self, deadline: float, *, requeue: bool = False, pass_on: bool = False, flow: Flow = NO_FLOW
+        self, deadline: float, *, requeue: bool = False, pass_on: bool = False, flow: Flow = NO_FLOW,
+        held_back: bool = False,
     ) -> None:
         return None  # a slot is always free
 

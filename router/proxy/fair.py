@@ -22,7 +22,9 @@ Pure bookkeeping: no clock, no I/O; futures are only compared for `done()`.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
 
 
@@ -40,7 +42,7 @@ Waiter = asyncio.Future
 
 class WaitQueue(Protocol):
     def push(self, fut: Waiter, flow: Flow, *, front: bool = False) -> None: ...
-    def pop(self, *, skip_first: bool = False) -> Waiter | None: ...
+    def pop(self, *, skip_first: bool = False, allow: Callable[[str], bool] | None = None) -> Waiter | None: ...
     def left(self, flow: Flow) -> None: ...
     def make_room(self, flow: Flow) -> Waiter | None: ...
     def charge(self, flow: Flow, tokens: int) -> None: ...
@@ -63,7 +65,8 @@ class FifoQueue:
         else:
             self._waiters.append(fut)
 
-    def pop(self, *, skip_first: bool = False) -> Waiter | None:
+    def pop(self, *, skip_first: bool = False, allow: Callable[[str], bool] | None = None) -> Waiter | None:
+        # `allow` is ignored: FIFO waiters have no flows (no slot reservation without tenants).
         skipped: Waiter | None = None
         found: Waiter | None = None
         while self._waiters:
@@ -129,13 +132,20 @@ class FairQueue:
         if backlogged:
             self.counters[name] = max(self.counters.get(name, 0.0), min(backlogged))
 
-    def _next_flow(self) -> str | None:
+    def backlogged(self) -> list[str]:
+        """The flows with a live waiter."""
+        return [name for name, live in self._live.items() if live and self._queues[name]]
+
+    def _next_flow(self, allow: Callable[[str], bool] | None = None) -> str | None:
         """The backlogged flow with the lowest counter (ties: the one with fewer waiting, so
-        a light flow is not kept behind a heavy one's backlog at equal counters)."""
+        a light flow is not kept behind a heavy one's backlog at equal counters), among those
+        `allow` lets take a slot."""
         best: str | None = None
         best_key = (0.0, 0)
         for name, live in self._live.items():
             if not live or not self._queues[name]:
+                continue
+            if allow is not None and not allow(name):
                 continue
             key = (self.counters.get(name, 0.0), live)
             if best is None or key < best_key:
@@ -153,10 +163,11 @@ class FairQueue:
                 return fut
         return None
 
-    def pop(self, *, skip_first: bool = False) -> Waiter | None:
+    def pop(self, *, skip_first: bool = False, allow: Callable[[str], bool] | None = None) -> Waiter | None:
+        """The head of the lowest-counter flow (`allow`: only flows it lets take a slot)."""
         skipped: tuple[str, Waiter] | None = None
         found: Waiter | None = None
-        while (name := self._next_flow()) is not None:
+        while (name := self._next_flow(allow)) is not None:
             fut = self._pop_head(name)
             if fut is None:
                 continue
@@ -196,3 +207,106 @@ class FairQueue:
     def compact(self) -> None:
         for name, queue in self._queues.items():
             self._queues[name] = deque(f for f in queue if not f.done())
+
+
+# -- slot reservation for tenants below their fair share ----------------------------------------
+def reserved_slots(
+    name: str, inflight: Mapping[str, int], weights: Mapping[str, float], demand: Mapping[str, float], total: int
+) -> int:
+    """How many of the fleet's free slots flow `name` may not take (0: it may take any).
+
+    `weights`: the active flows' weights (`name`'s included); `inflight`: slots each holds;
+    `demand`: each flow's recent average of slots held; `total`: the fleet's slots. With one
+    active flow nothing is reserved (work-conserving FIFO). A flow below its weighted share
+    of `total` is never held back. A flow at or over its share leaves free, for each other
+    flow below its share, the slots it is likely to need soon: by Little's law the arrivals
+    of one service time, i.e. its average in flight, rounded up, + 1 (for the variance),
+    capped by how far it is below its share.
+    """
+    if len(weights) <= 1:
+        return 0
+    weight_sum = sum(weights.values())
+    if weight_sum <= 0 or inflight.get(name, 0) < total * weights.get(name, 0.0) / weight_sum:
+        return 0
+    reserve = 0
+    for other, weight in weights.items():
+        if other == name:
+            continue
+        shortfall = total * weight / weight_sum - inflight.get(other, 0)
+        if shortfall > 0:
+            reserve += min(math.ceil(demand.get(other, 0.0)) + 1, math.ceil(shortfall))
+    return reserve
+
+
+def may_take_slot(
+    name: str, free: int, inflight: Mapping[str, int], weights: Mapping[str, float], demand: Mapping[str, float],
+    total: int,
+) -> bool:
+    """Flow `name` may take one of `free` slots (see `reserved_slots`)."""
+    return free > reserved_slots(name, inflight, weights, demand, total)
+
+
+class Activity:
+    """Which flows are active and their recent demand: the inputs of `reserved_slots`.
+
+    A flow is active while it has a request waiting or in flight, and for `window_s` after
+    its last one. Its demand is a time-weighted moving average of its slots in flight
+    (time constant `tau_s`). Pure bookkeeping: the caller passes the clock (`now`).
+    """
+
+    def __init__(self, window_s: float = 5.0, tau_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self.tau_s = tau_s
+        self.inflight: dict[str, int] = {}
+        self.waiting: dict[str, int] = {}
+        self.weights: dict[str, float] = {}
+        self._demand: dict[str, float] = {}
+        self._updated: dict[str, float] = {}
+        self._seen: dict[str, float] = {}
+
+    def _advance(self, name: str, now: float) -> None:
+        last = self._updated.get(name)
+        held = self.inflight.get(name, 0)
+        if last is None:
+            self._demand[name] = float(held)
+        elif now > last:
+            alpha = 1.0 - math.exp(-(now - last) / self.tau_s)
+            self._demand[name] += alpha * (held - self._demand[name])
+        self._updated[name] = now
+
+    def seen(self, flow: Flow, now: float) -> None:
+        """A request of `flow` arrived."""
+        self.weights[flow.name] = flow.weight
+        self._advance(flow.name, now)
+        self._seen[flow.name] = now
+
+    def took(self, flow: Flow, now: float) -> None:
+        self.seen(flow, now)
+        self.inflight[flow.name] = self.inflight.get(flow.name, 0) + 1
+
+    def gave_back(self, flow: Flow, now: float) -> None:
+        self.seen(flow, now)
+        self.inflight[flow.name] = max(0, self.inflight.get(flow.name, 0) - 1)
+
+    def queued(self, flow: Flow, delta: int) -> None:
+        self.waiting[flow.name] = max(0, self.waiting.get(flow.name, 0) + delta)
+
+    def active(self, now: float) -> dict[str, float]:
+        """The active flows' weights."""
+        horizon = now - self.window_s
+        return {
+            name: weight for name, weight in self.weights.items()
+            if self.inflight.get(name) or self.waiting.get(name) or self._seen.get(name, -math.inf) >= horizon
+        }
+
+    def demand(self, now: float) -> dict[str, float]:
+        for name in self._demand:
+            self._advance(name, now)
+        return dict(self._demand)
+
+    def may_take(self, flow: Flow, free: int, total: int, now: float) -> bool:
+        weights = self.active(now)
+        weights.setdefault(flow.name, flow.weight)
+        if len(weights) <= 1:
+            return free > 0
+        return may_take_slot(flow.name, free, self.inflight, weights, self.demand(now), total)

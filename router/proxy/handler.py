@@ -66,9 +66,10 @@ _EMPTY_CHAIN = PrefixChain((), (), 0)
 # per request; as for CandidateScore in router/policies/cache_aware.py).
 _new_routed = tuple.__new__
 
-_Outcome = Literal["answered", "full", "exhausted"]
+_Outcome = Literal["answered", "full", "held", "exhausted"]
 """How one pass over a ranking ended: a worker answered; every worker left was at its
-in-flight limit (wait for a slot); or nothing is left to try."""
+in-flight limit (wait for a slot); the free slots are reserved for tenants below their fair
+share (wait); or nothing is left to try."""
 
 
 class _NotStarted:
@@ -127,6 +128,8 @@ class Proxy:
         """Workers share an LMCache pool: every routed prefix is also recorded on the pool."""
         self.admission: Admission = admission if admission is not None else NoAdmission()
         """Per-worker in-flight limits and the wait queue (NoAdmission: no limits)."""
+        if self.admission.activity is not None:
+            self.admission.bind_slots(self._fleet_slots)
         self.fleet = fleet
         self.index = index
         self.loads = loads
@@ -284,10 +287,13 @@ class Proxy:
     async def _handle(self, ex: Exchange) -> None:
         admission = self.admission
         first: Routed | None = None
+        flow = _flow(ex) if admission.activity is not None else NO_FLOW
+        if admission.activity is not None:
+            admission.arrived(flow)
         try:
             if self.limiter is not None and self.limiter.applies(ex.tenant):
-                first = await self._check_limits(ex, decide=not admission.busy())
-            if admission.busy():
+                first = await self._check_limits(ex, decide=not admission.busy(flow))
+            if admission.busy(flow):
                 first = None  # decided again after the wait: the loads will have changed
                 await self._wait_for_slot(ex)
             while True:
@@ -301,8 +307,9 @@ class Proxy:
                     return
                 if outcome == "exhausted" or ex.attempts >= self.settings.max_attempts:
                     break
-                # Every worker we could still try is at its in-flight limit: wait for a slot.
-                await self._wait_for_slot(ex)
+                # Every worker we could still try is at its in-flight limit, or the free slots
+                # are reserved for tenants below their fair share: wait for a slot.
+                await self._wait_for_slot(ex, held_back=outcome == "held")
         finally:
             if ex.turn:
                 admission.end_turn()
@@ -339,8 +346,9 @@ class Proxy:
             if self.metrics.tenants is not None:
                 self.metrics.tenants.prompt(ex.tenant, choice.chain.total_tokens)
 
-    async def _wait_for_slot(self, ex: Exchange) -> None:
-        """Queue until the admission hands this request a slot (429 if none comes in time)."""
+    async def _wait_for_slot(self, ex: Exchange, *, held_back: bool = False) -> None:
+        """Queue until the admission hands this request a slot (429 if none comes in time).
+        `held_back`: the free slots are reserved for other tenants (not for this one)."""
         admission = self.admission
         if not ex.queue_deadline:
             ex.queue_deadline = asyncio.get_running_loop().time() + admission.queue_timeout_s
@@ -348,7 +356,8 @@ class Proxy:
         t0 = time.perf_counter()
         try:
             await admission.wait(
-                ex.queue_deadline, requeue=requeue, pass_on=requeue and self._room_anywhere(), flow=_flow(ex)
+                ex.queue_deadline, requeue=requeue, pass_on=requeue and (held_back or self._room_anywhere()),
+                flow=_flow(ex), held_back=held_back,
             )
         except RouterError:
             self.metrics.tenant_rejected(ex.tenant, "queue")
@@ -365,6 +374,11 @@ class Proxy:
         limits_inflight = admission.limits_inflight
         max_attempts = self.settings.max_attempts
         full = False
+        flow = NO_FLOW
+        if admission.activity is not None:
+            flow = _flow(ex)
+            if not admission.may_take(flow, holding_turn=ex.turn):
+                return "held"
         for name in (decision.worker, *decision.ranking):
             if ex.attempts >= max_attempts:
                 break
@@ -390,6 +404,7 @@ class Proxy:
                 ex.turn = False
             ex.attempts += 1
             ex.tried.add(name)
+            admission.took(flow)
             if ex.attempts == 1 and ex.tenant is not None:
                 admission.charge(_flow(ex), chain.total_tokens)  # its fair share: served now
             # One try on one worker, inline rather than a coroutine of its own: every frame
@@ -408,6 +423,7 @@ class Proxy:
                 attempt.abandon()
                 raise
             finally:
+                admission.gave_back(flow)
                 attempt.release()
         return "full" if full else "exhausted"
 
@@ -420,6 +436,17 @@ class Proxy:
             self.metrics.retries.inc()
         log.warning("worker %s failed before the first byte (%s); %s", attempt.worker.name, exc.why,
                     "retrying" if retrying else "giving up")
+
+    def _fleet_slots(self) -> tuple[int, int]:
+        """(free, total) in-flight slots across the serving workers (the reservation's view)."""
+        per_worker = self.admission.per_worker
+        inflight = self.loads.inflight
+        free = total = 0
+        for w in self.fleet:
+            if w.serving:
+                total += per_worker
+                free += max(0, per_worker - inflight(w.name))
+        return free, total
 
     def _room_anywhere(self) -> bool:
         """Some serving worker has a free slot (that this request could not use)."""

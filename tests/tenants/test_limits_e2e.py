@@ -203,3 +203,39 @@ def test_fair_queue_serves_a_light_tenant_ahead_of_a_heavy_backlog(tenants_file:
         position = next(i for i, body in enumerate(order) if "light-0" in body)
         # FIFO would serve it last (9th); the fair queue at the next free slot, or the one after.
         assert position <= 2, order
+
+
+def test_light_tenant_finds_a_reserved_slot_while_a_heavy_one_saturates(tenants_file: Path) -> None:
+    # One worker, 4 slots, 3 s a request. The light tenant has a request in flight (it is
+    # active); the heavy one then sends 8: it takes its share (2) and no more than leaves
+    # the light tenant's reservation (1) free, so the light tenant's next request is sent
+    # at once, not at the next slot to free (which would be after 3 heavy requests).
+    args = ["--tenants", str(tenants_file), "--max-inflight-per-worker", "4", "--queue-size", "50",
+            "--queue-timeout-s", "120"]
+    with RecordingUpstream(behaviour=UpstreamBehaviour(first_byte_delay_s=3.0)) as up, \
+            RouterProcess({"w": up.url}, extra_args=args) as r:
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=20)) as client:
+                def send(key: str, tag: str) -> asyncio.Future:
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": tag}]}
+                    return asyncio.ensure_future(client.post(r.url + "/v1/chat/completions", json=body,
+                                                             headers={"authorization": f"Bearer {key}"}))
+
+                first = send("sk-light", "light-0")
+                while not any(b"light-0" in rec.body for rec in up.received):
+                    await asyncio.sleep(0.02)
+                heavy = [send("sk-heavy", f"heavy-{i}") for i in range(8)]
+                while "kvroute_queue_depth 6" not in r.metrics():
+                    await asyncio.sleep(0.02)
+                light = send("sk-light", "light-1")
+                return await asyncio.gather(first, *heavy, light)
+
+        responses = asyncio.run(run())
+        metrics = r.metrics()
+    assert [resp.status_code for resp in responses] == [200] * 10
+    order = [rec.body.decode() for rec in up.received]
+    position = next(i for i, body in enumerate(order) if "light-1" in body)
+    assert sum("heavy-" in body for body in order[:position]) == 2, order
+    # It never queued (only queued requests are counted in the wait histogram).
+    assert 'kvroute_tenant_queue_wait_seconds_count{tenant="light"}' not in metrics

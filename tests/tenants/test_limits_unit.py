@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.proxy.fair import FairQueue, FifoQueue, Flow
+from router.proxy.fair import Activity, FairQueue, FifoQueue, Flow, may_take_slot, reserved_slots
 from router.tenants.limits import CONCURRENT, RATE, TOKENS, LocalLimits, retry_after, shared
 from router.tenants.model import TenantLimits
 
@@ -191,3 +191,148 @@ def test_without_tenants_the_queue_stays_fifo() -> None:
     assert isinstance(settings.admission(fair=True)._waiters, FairQueue)
     services = build_services(flat_config(max_inflight_per_worker=2))
     assert isinstance(services.admission._waiters, FifoQueue) and services.proxy.limiter is None
+    assert services.admission.activity is None  # no slot reservation without tenants
+
+
+# -- the slot reservation for tenants below their fair share -----------------------------------
+EQUAL = {"x": 1.0, "y": 1.0}
+
+
+def test_one_active_tenant_never_reserves() -> None:
+    for held in (0, 8, 16):
+        assert reserved_slots("x", {"x": held}, {"x": 1.0}, {"x": 5.0}, 16) == 0
+    assert may_take_slot("x", 1, {"x": 15}, {"x": 1.0}, {}, 16)
+    assert not may_take_slot("x", 0, {"x": 16}, {"x": 1.0}, {}, 16)  # no free slot is no slot
+
+
+def test_heavy_tenant_over_its_share_is_refused_the_last_slots() -> None:
+    # 16 slots, two equal tenants: shares of 8. y holds 1 and averaged 2 in flight:
+    # x (over its share) must leave ceil(2) + 1 = 3 free slots.
+    inflight, demand = {"x": 12, "y": 1}, {"x": 12.0, "y": 2.0}
+    assert reserved_slots("x", inflight, EQUAL, demand, 16) == 3
+    assert [may_take_slot("x", free, inflight, EQUAL, demand, 16) for free in (1, 2, 3, 4)] == [False] * 3 + [True]
+    # The reservation is capped by y's shortfall from its share (8 - 6 = 2).
+    assert reserved_slots("x", {"x": 8, "y": 6}, EQUAL, {"y": 6.0}, 16) == 2
+    # y at or over its share: nothing reserved for it.
+    assert reserved_slots("x", {"x": 8, "y": 8}, EQUAL, {"y": 8.0}, 16) == 0
+
+
+def test_tenant_below_its_share_may_take_any_free_slot() -> None:
+    inflight, demand = {"x": 12, "y": 1}, {"x": 12.0, "y": 2.0}
+    assert reserved_slots("y", inflight, EQUAL, demand, 16) == 0
+    assert may_take_slot("y", 1, inflight, EQUAL, demand, 16)
+    # x below its share (7 < 8) is not held back either, whatever y needs.
+    assert may_take_slot("x", 1, {"x": 7, "y": 0}, EQUAL, {"y": 5.0}, 16)
+
+
+def test_weights_set_the_shares() -> None:
+    weights = {"gold": 3.0, "x": 1.0}  # 16 slots: gold 12, x 4
+    assert reserved_slots("x", {"x": 4, "gold": 2}, weights, {"gold": 2.0}, 16) == 3
+    assert reserved_slots("x", {"x": 3, "gold": 2}, weights, {"gold": 2.0}, 16) == 0  # below its 4
+    assert reserved_slots("gold", {"gold": 11, "x": 0}, weights, {"x": 1.0}, 16) == 0  # below its 12
+    assert reserved_slots("gold", {"gold": 12, "x": 0}, weights, {"x": 1.0}, 16) == 2
+    # Several light tenants: each one's reservation adds up.
+    three = {"x": 1.0, "y": 1.0, "z": 1.0}
+    assert reserved_slots("x", {"x": 10, "y": 1, "z": 0}, three, {"y": 1.0, "z": 0.0}, 15) == 3
+
+
+def test_activity_window_and_demand() -> None:
+    act = Activity(window_s=5.0, tau_s=5.0)
+    x, y = Flow("x"), Flow("y")
+    for _ in range(12):
+        act.took(x, 0.0)
+    act.took(y, 0.0)
+    act.took(y, 0.0)
+    assert set(act.active(1.0)) == {"x", "y"}
+    # y holds 2: an average of 2 after a while; x over its share must leave 3 free.
+    assert not act.may_take(x, 3, 16, 20.0) and act.may_take(x, 4, 16, 20.0)
+    assert act.may_take(y, 1, 16, 20.0)
+    act.gave_back(y, 20.0)
+    act.gave_back(y, 20.0)
+    assert "y" in act.active(24.0)
+    # y idle for longer than the window: x alone, work-conserving again.
+    assert set(act.active(26.0)) == {"x"} and act.may_take(x, 1, 16, 26.0)
+    # A waiting request keeps its tenant active.
+    act.queued(y, 1)
+    assert set(act.active(60.0)) == {"x", "y"}
+
+
+def test_pop_only_hands_slots_to_flows_allowed(loop) -> None:
+    queue = FairQueue()
+    heavy = waiters(loop, queue, FLOWS["heavy"], 2)
+    assert queue.pop(allow=lambda name: name != "heavy") is None
+    light = waiters(loop, queue, FLOWS["light"], 1)
+    queue.charge(FLOWS["light"], 1000)  # served more: still the only one allowed
+    assert queue.pop(allow=lambda name: name != "heavy") is light[0]
+    assert queue.backlogged() == ["heavy"] and queue.pop() is heavy[0]
+
+
+def test_admission_keeps_reserved_slots_for_the_light_tenant_then_wakes_the_heavy(loop) -> None:
+    from router.errors import RouterError
+    from router.proxy.admission import Admission
+
+    async def scenario() -> None:
+        adm = Admission(per_worker=4, queue_timeout_s=30.0)
+        adm.use_queue(FairQueue())
+        assert adm.activity is not None
+        adm.activity.window_s = -1.0  # active only while waiting or in flight: no clock in the test
+        free = [16]
+        adm.bind_slots(lambda: (free[0], 16))
+        x, y = Flow("x"), Flow("y")
+
+        def take(flow: Flow) -> None:
+            adm.took(flow)
+            free[0] -= 1
+
+        def give_back(flow: Flow) -> None:
+            adm.gave_back(flow)
+            free[0] += 1
+            adm.released()
+
+        adm.arrived(y)
+        take(y)
+        taken = 0
+        while not adm.busy(x) and adm.may_take(x):
+            take(x)
+            taken += 1
+        # x took its share (8) and more, but left the light tenant's reservation free.
+        assert 8 <= taken < 15 and 1 <= free[0] <= 7
+        held = free[0]
+        loop_ = asyncio.get_running_loop()
+        waiting = asyncio.ensure_future(adm.wait(loop_.time() + 30.0, flow=x))
+        expiring = asyncio.ensure_future(adm.wait(loop_.time() + 0.01, flow=x))
+        await asyncio.sleep(0)
+        assert adm.queued == 2 and not waiting.done()
+        # y arrives: not behind x's waiters, it takes a reserved slot at once.
+        adm.arrived(y)
+        assert not adm.busy(y) and adm.may_take(y)
+        take(y)
+        # The queue timeout still answers a held-back waiter: 429 with Retry-After.
+        with pytest.raises(RouterError) as err:
+            await expiring
+        assert err.value.status == 429 and err.value.retry_after == adm.retry_after_s
+        assert not waiting.done() and free[0] == held - 1
+        # y's requests end: x alone again, its waiter is handed a slot.
+        give_back(y)
+        give_back(y)
+        await asyncio.wait_for(waiting, 5.0)
+        adm.end_turn()
+        assert adm.queued == 0 and not adm.busy(x)
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_waiter_queued_beside_a_free_slot_it_may_take_is_handed_it_at_once(loop) -> None:
+    from router.proxy.admission import Admission
+
+    async def scenario() -> None:
+        adm = Admission(per_worker=4, queue_timeout_s=30.0)
+        adm.use_queue(FairQueue())
+        adm.bind_slots(lambda: (1, 16))  # one slot free (e.g. on a worker the ranking skipped)
+        fut = asyncio.ensure_future(adm.wait(asyncio.get_running_loop().time() + 30.0, flow=Flow("x")))
+        await asyncio.wait_for(fut, 5.0)
+        assert adm.queued == 0 and adm.busy(Flow("x"))  # it holds the handoff until end_turn
+        adm.end_turn()
+        assert not adm.busy(Flow("x"))
+
+    loop.run_until_complete(scenario())
