@@ -24,6 +24,7 @@ from cache_client.memory import MemoryIndex
 from cache_client.response_owners import MemoryResponseOwners, RedisResponseOwners, ResponseOwners
 from router.auth import KeyCheck
 from router.breaker import OutlierDetector
+from router.calibration import Calibrator, cost_readers
 from router.chain import ChainBuilder, EstimateChainBuilder
 from router.config import RouterConfig
 from router.cost import CostModel
@@ -200,6 +201,11 @@ def build_services(
     precise = chains if isinstance(chains, PreciseMode) else None
     policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
     cost = config.cost.model()
+    calibrator = None
+    if config.cost.learning == "on":
+        calibrator = Calibrator(cost, config.cost.fixed())
+        loads.costs = calibrator.costs  # the load view carries each worker's learned model
+        metrics.enable_cost_learning(*cost_readers(calibrator))
     admission = config.overload.admission()
     client = health_client or _health_client(config)
     fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
@@ -214,7 +220,7 @@ def build_services(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
-        tenants=tenants if tenants.enabled else None, salter=salter,
+        tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(

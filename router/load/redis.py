@@ -140,6 +140,7 @@ class RedisLoadBoard(LocalLoadBoard):
     def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]:
         self._start()
         now = self._clock()
+        costs = self.costs
         out = []
         for name in names:
             c = self._get(name)
@@ -149,7 +150,7 @@ class RedisLoadBoard(LocalLoadBoard):
                 inflight += r.inflight
                 queued += r.queued_prefill_s
                 recent += r.recent * math.exp(-self._decay * (now - r.at))
-            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting))
+            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting, costs.get(name)))
         return out
 
     def acquire(self, worker: str, prefill_s: float) -> Ticket:
