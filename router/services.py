@@ -205,6 +205,8 @@ def build_services(
     if config.cost.learning == "on":
         calibrator = Calibrator(cost, config.cost.fixed())
         loads.costs = calibrator.costs  # the load view carries each worker's learned model
+        if hasattr(loads, "calibrator"):  # RedisLoadBoard: replicas share their statistics
+            loads.calibrator = calibrator
         metrics.enable_cost_learning(*cost_readers(calibrator))
     admission = config.overload.admission()
     client = health_client or _health_client(config)
