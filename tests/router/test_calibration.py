@@ -111,3 +111,19 @@ def test_config_flags_are_priors_and_explicit_ones_win() -> None:
     assert set_.cost.model().prefill_base_s == pytest.approx(50e-6)
     with pytest.raises(SystemExit):
         load_config([], {"KVROUTE_COST_LEARNING": "maybe"})
+
+
+def test_bounded_loads_give_a_faster_worker_its_share() -> None:
+    """The recent-traffic cap scales with learned speed: a worker twice as fast may carry
+    twice the slow one's recent requests without counting as over it."""
+    from dataclasses import replace
+
+    from router.policies.bounded import speed_shares, within_bounds
+    from router.routing import WorkerLoad
+
+    slow = replace(PRIOR, prefill_base_s=2 * PRIOR.prefill_base_s, prefill_ctx_s=2 * PRIOR.prefill_ctx_s)
+    loads = [WorkerLoad("fast", recent=20.0, cost=PRIOR), WorkerLoad("slow", recent=10.0, cost=slow)]
+    assert speed_shares(loads) == pytest.approx({"fast": 4 / 3, "slow": 2 / 3})
+    assert {w.name for w in within_bounds(loads)} == {"fast", "slow"}
+    blind = [replace(w, cost=None) for w in loads]  # without learned costs: the old cap
+    assert {w.name for w in within_bounds(blind)} == {"slow"}
