@@ -122,8 +122,11 @@ def test_bounded_loads_give_a_faster_worker_its_share() -> None:
     from router.routing import WorkerLoad
 
     slow = replace(PRIOR, prefill_base_s=2 * PRIOR.prefill_base_s, prefill_ctx_s=2 * PRIOR.prefill_ctx_s)
-    loads = [WorkerLoad("fast", recent=20.0, cost=PRIOR), WorkerLoad("slow", recent=10.0, cost=slow)]
-    assert speed_shares(loads) == pytest.approx({"fast": 4 / 3, "slow": 2 / 3})
-    assert {w.name for w in within_bounds(loads)} == {"fast", "slow"}
+    loads = [
+        WorkerLoad("fast", recent=30.0, cost=PRIOR), WorkerLoad("slow1", recent=10.0, cost=slow),
+        WorkerLoad("slow2", recent=10.0, cost=slow),
+    ]  # fmt: skip
+    assert speed_shares(loads) == pytest.approx({"fast": 1.5, "slow1": 0.75, "slow2": 0.75})
+    assert {w.name for w in within_bounds(loads)} == {"fast", "slow1", "slow2"}
     blind = [replace(w, cost=None) for w in loads]  # without learned costs: the old cap
-    assert {w.name for w in within_bounds(blind)} == {"slow"}
+    assert {w.name for w in within_bounds(blind)} == {"slow1", "slow2"}
