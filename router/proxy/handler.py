@@ -358,7 +358,8 @@ class Proxy:
                 attempt = Attempt(self, worker, decision.reason, decision.prefill_s)
             else:
                 reason = "retry" if ex.attempts else "overload"
-                attempt = Attempt(self, worker, reason, self.cost.prefill_s(0, chain.total_tokens))
+                cost = self.loads.costs.get(name) or self.cost  # its own learned costs, if any
+                attempt = Attempt(self, worker, reason, cost.prefill_s(0, chain.total_tokens))
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
