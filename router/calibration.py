@@ -22,8 +22,10 @@ per observation, no window to keep) with
   is let in;
 * queueing kept out at the observation site (`Calibrator.observe`): only requests that
   found at most a small predicted queue are fitted, with that queue subtracted;
-* the prior (the `--cost-*` defaults) as a ridge term, in units where every coefficient's
-  prior is 1: the fit starts at the prior and leaves it as observations accumulate;
+* the prior (the `--cost-*` defaults) as a ridge term whose strength is a small fraction of
+  each coefficient's own information in the observations: the prior stands until
+  `min_observations`, then keeps the fit defined where the observations cannot tell two
+  coefficients apart, and yields wherever they can, however far off it was;
   coefficients set explicitly by flag are held fixed (their term moves to the left side);
 * non-negative coefficients: a coefficient the data pushes below zero is dropped from the
   free set and the rest refitted.
