@@ -91,7 +91,7 @@ class EstimatorSettings:
     """A change of regime: the median relative residual of this many consecutive
     observations beyond `shift_threshold` (all off in one direction, not a few outliers)."""
     shift_threshold: float = 0.25
-    shift_keep: float = 0.01
+    shift_keep: float = 0.05
     """On a change of regime, the weight the old observations keep."""
 
 
@@ -184,7 +184,7 @@ class Estimator:
         self.residual_scale = 1.0
         """Running mean |relative residual| (the Huber scale); starts wide open."""
         self._phi = list(self._phi0)
-        self._recent: deque[tuple[float, tuple[list[float], float, float]]] = deque(maxlen=self.settings.shift_window)
+        self._recent: deque[float] = deque(maxlen=self.settings.shift_window)
         self.shifts = 0
         """Changes of regime detected (the worker slowed down or sped up)."""
         self.others: list[Stats] = []
@@ -205,34 +205,29 @@ class Estimator:
         k = self.settings.huber_k * self.residual_scale
         huber = 1.0 if abs(r) <= k else k / abs(r)
         self.residual_scale = max(0.97 * self.residual_scale + 0.03 * min(abs(r), 10.0), 0.02)
+        self._detect_shift(r)
         # Relative errors: weighted by the observation itself, not by the prediction, which
         # changes as the fit moves (early rows would then weigh more than later ones).
         seen = max(obs.seconds, 1e-4)
-        row = (xs, y, 1.0 / (seen * seen))
-        self.stats.add(xs, y, huber * row[2], self._decay)
-        self._detect_shift(r, row)
+        self.stats.add(xs, y, huber / (seen * seen), self._decay)
         self.observations += 1
         s = self.settings
         if self.learned and self.observations % s.refit_every == 0:
             self.refit()
 
-    def _detect_shift(self, r: float, row: tuple[list[float], float, float]) -> None:
+    def _detect_shift(self, r: float) -> None:
         """Huber weights resist a lasting change as much as outliers: when the recent
-        residuals are mostly off in one direction, the past is dropped (all but
-        `shift_keep` of it) and the recent observations are refitted at full weight."""
+        residuals are all off in one direction, discount the past instead."""
         recent = self._recent
-        recent.append((r, row))
+        recent.append(r)
         if len(recent) < recent.maxlen or self.observations < self.settings.min_observations:  # type: ignore[operator]
             return
-        median = sorted(x[0] for x in recent)[len(recent) // 2]
+        median = sorted(recent)[len(recent) // 2]
         if abs(median) > self.settings.shift_threshold:
             self.stats.discount(self.settings.shift_keep)
-            for xs, y, w in (x[1] for x in recent):
-                self.stats.add(xs, y, w, self._decay)
             self.residual_scale = 1.0
             recent.clear()
             self.shifts += 1
-            self.refit()
 
     @property
     def learned(self) -> bool:
