@@ -37,14 +37,14 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
-from loadtests import harness, traces
+from loadtests import cost_learning, harness, traces
 from loadtests.agent_wire import SCENARIO_API_PATHS
 from loadtests.extras import require_bench_extra
 from loadtests.harness import (
@@ -93,6 +93,9 @@ class Entry:
     policy: str
     peer: str | None
     pool: bool
+    cost: str | None = None
+    """kvroute's cost model: None (as configured for the profile), or a variant of
+    `loadtests.cost_learning.COST_VARIANTS` (`cache_aware@learned`)."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -106,12 +109,13 @@ def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
 def parse_entries(policies: str, peers: str) -> list[Entry]:
     entries: list[Entry] = []
     for raw in (p.strip() for p in policies.split(",") if p.strip()):
-        name, pool = _split_pool_suffix(raw)
+        named, pool = _split_pool_suffix(raw)
+        name, variant = cost_learning.split_variant(named)
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         default = name not in CACHE_BLIND
         pool = default if pool is None else pool
-        entries.append(Entry(name if pool == default else raw, "kvroute", name, None, pool))
+        entries.append(Entry(named if pool == default else raw, "kvroute", name, None, pool, variant))
     for raw in (p.strip() for p in peers.split(",") if p.strip()):
         name, pool = _split_pool_suffix(raw)
         for peer, policy in parse_peer(name):
@@ -178,6 +182,9 @@ class RunSetup:
     seed: int | None = None
     """The run's seed; kvroute's `random` gets it as `--random-seed`, so runs with one seed
     (through different APIs, say) place each request alike: common random numbers."""
+    speeds: list[float] | None = None
+    """Each simulated worker's speed (None: all at the profile's)."""
+    speed_changes: tuple[cost_learning.SpeedChange, ...] = ()
 
 
 def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
@@ -188,6 +195,8 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
     ]  # fmt: skip
     if entry.policy == "random" and entry.kind != "peer" and setup.seed is not None:
         args += ["--random-seed", str(setup.seed)]
+    if entry.cost is not None:
+        return args + cost_learning.cost_args(entry.cost, build_cost_model(setup.profile), setup.time_scale)
     if setup.profile != DEFAULT_PROFILE:
         # kvroute's cost defaults describe the 8B model; for another profile configure it
         # the way an operator would: a line through the simulated marginal prefill cost.
@@ -219,6 +228,7 @@ async def run_entry(
         # The workload replays scripted replies and sizes each turn's output with max_tokens:
         # a simulated tool call on "auto" would cut generations short of the trace's lengths.
         extra_args=["--auto-tool-calls", "text"],
+        speeds=setup.speeds,
     )
     await asyncio.to_thread(cluster.start)
     router: RouterProcess | PeerRouter
@@ -268,9 +278,16 @@ async def _measure(
             }
         )
         queues = QueueSampler(client, cluster.worker_urls)
+        costs = cost_learning.CostSampler(client, router.url, setup.time_scale) if entry.kind == "kvroute" else None
         monitor.start()
         probes.start()
         queues.start()
+        if costs is not None:
+            costs.start()
+        speed_task = (
+            asyncio.create_task(cost_learning.apply_speed_changes(setup.speed_changes, cluster.worker_urls, setup.time_scale))
+            if setup.speed_changes else None
+        )  # fmt: skip
         try:
             if isinstance(workload, traces.Trace):
                 outcome = await traces.drive_trace(workload, router.url, setup.time_scale, progress=progress)
@@ -278,6 +295,10 @@ async def _measure(
                 outcome = await harness.drive(workload, router.url, setup.time_scale, progress=progress, api=setup.api)
         finally:
             await queues.stop()
+            if costs is not None:
+                await costs.stop()
+            if speed_task is not None:
+                speed_task.cancel()
             await asyncio.to_thread(probes.stop)
             monitor.stop()
         t_after = time.monotonic()
@@ -299,6 +320,17 @@ async def _measure(
     )
     summary = summarize(entry, outcome, delta, router_before, router_after)
     summary["queues"] = queues.summary()
+    if costs is not None and costs.samples:
+        summary["cost_learning"] = cost_learning.learning_summary(
+            costs.samples, build_cost_model(setup.profile), setup.time_scale, setup.speeds, setup.speed_changes
+        )
+        summary["cost_samples"] = costs.samples
+    if not isinstance(workload, traces.Trace):
+        floor = cost_learning.ideal_floor(workload, outcome.records, build_cost_model(setup.profile))
+        summary["ideal_floor_mean_s"] = floor["mean_s"]
+        summary["ttft_mean_over_ideal_floor"] = (
+            summary["ttft_mean_s"] / floor["mean_s"] if summary["ttft_mean_s"] is not None and floor["mean_s"] else None
+        )
     summary["harness"] = {
         "time_scale": setup.time_scale,
         "mean_step_s": mean_step,
@@ -487,7 +519,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = cost_learning.comparison(routers)
     ca = routers.get("cache_aware")
     if ca is None:
         return out
@@ -558,6 +590,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 9)
     if trace_rows:
         lines += ["", "## Against the trace's ideal", "", *trace_rows]
+    lines += cost_learning.markdown_lines(routers)
     lines += ["", "## Comparison", ""]
     lines += [f"- `{k}`: {_fmt(v)}" for k, v in results["comparison"].items()]
     lines += ["", "## Harness", ""]
@@ -627,6 +660,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="chat",
         help="how requests are sent: a scenario's as chat, responses or messages; a trace's as chat or completions",
     )
+    p.add_argument(
+        "--speeds", default=None,
+        help="each simulated worker's speed F0,F1,... (0.5: steps take twice as long); the arrival rate is derived "
+        "for the fleet's total speed",
+    )  # fmt: skip
+    p.add_argument(
+        "--speed-change", default=None,
+        help="WORKER=SPEED@SIM_SECONDS[,...]: change a worker's speed during the run (POST /sim/speed)",
+    )  # fmt: skip
     p.add_argument("--out", required=True)
     return p
 
@@ -658,6 +700,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     entries = parse_entries(args.policies, args.peers)
+    speeds = cost_learning.parse_speeds(args.speeds, args.workers)
     scenario = SCENARIOS[args.scenario]
     cost = build_cost_model(args.profile)
     kv_capacity = args.kv_capacity_tokens or cost.default_capacity_tokens
@@ -667,12 +710,18 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         workload, time_scale, trace_info = _prepare_trace(args, cost, kv_capacity)
     else:
         rates = derive_rates(scenario, args.workers, args.profile, cost, load=args.load, kv_capacity_tokens=kv_capacity)
+        if speeds:
+            # A fleet of slower GPUs has less capacity: its load is relative to its total speed.
+            rates = replace(rates, arrival_rate_per_s=rates.arrival_rate_per_s * sum(speeds) / len(speeds))
         time_scale = auto_time_scale(rates.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
         workload = build_workload(
             scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
         )
     api = "chat" if args.trace else args.api  # a trace's API is in the Trace itself
-    setup = RunSetup(args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api, args.seed)
+    setup = RunSetup(
+        args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api, args.seed,
+        speeds, tuple(cost_learning.parse_speed_changes(args.speed_change)),
+    )  # fmt: skip
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
     failed: dict[str, dict[str, Any]] = {}
@@ -742,6 +791,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "pool_capacity_tokens": POOL_CAPACITY_TOKENS,
             "slo_p99_ttft_s": args.slo_p99_ttft if args.find_capacity else None,
             "harness_tokens_per_wall_s": HARNESS_TOKENS_PER_WALL_S,
+            "speeds": speeds,
+            "speed_changes": [c.__dict__ for c in setup.speed_changes],
         },
         "routers": routers,
         "failed": failed,

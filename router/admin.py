@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from router.auth import KeyCheck, unauthorized
+from router.cost import CostModel
 from router.errors import RouterError
 from router.proxy import PROXIED_PATHS
 from router.requests import parse_body, validate
@@ -211,7 +212,7 @@ async def explain(
         "predicted_prefill_s": decision.prefill_s,
     }
     if decision.scores:
-        rows = [_priced(score) for score in decision.scores]
+        rows = [_priced(score, proxy.cost) for score in decision.scores]
         mine = next(score for score in decision.scores if score.worker == decision.worker)
         chosen.update(predicted_ttft_s=mine.ttft_s, score_s=mine.score_s)
     else:
@@ -226,6 +227,7 @@ async def explain(
         "candidates": rows,
         "excluded": _excluded(services.fleet, {load.name for load in loads}),
         "cost_model": asdict(proxy.cost),
+        "cost_learning": proxy.calibrator is not None,
     }
 
 
@@ -233,9 +235,13 @@ def _load(load: WorkerLoad) -> dict[str, Any]:
     return {"worker": load.name, "inflight": load.inflight, "queued_prefill_s": load.queued_prefill_s, "recent": load.recent}
 
 
-def _priced(score: CandidateScore) -> dict[str, Any]:
+def _priced(score: CandidateScore, default: CostModel) -> dict[str, Any]:
+    cost = score.load.cost
     return {
         **_load(score.load),
+        # Which coefficients priced this candidate: its own learned ones, or the router's.
+        "cost_source": "learned" if cost is not None else "configured",
+        "cost_model": asdict(cost if cost is not None else default),
         "cached_tokens_gpu": score.gpu_tokens,
         "cached_tokens_pool": score.pool_tokens,
         "predicted_prefill_s": score.prefill_s,

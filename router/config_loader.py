@@ -56,7 +56,9 @@ FLAT_KEYS: dict[str, Slot] = {
     **_prefixed("redis", "redis_", "prefix", "ttl_s", "lookup_budget_ms"),
     **_same("index", "kv_capacity_tokens", "pool_capacity_tokens", "responses_owner_ttl_s"),
     **_same("routing", "load_factor", "recent_half_life_s", "random_seed"),
-    **_prefixed("cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms"),
+    **_prefixed(
+        "cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms", "learning",
+    ),
     "normalize_tool_schemas": ("normalize", "tool_schemas"),
     "normalize_tool_arguments": ("normalize", "tool_call_arguments"),
     "normalize_system_prompt": ("normalize", "system_prompt"),
@@ -113,6 +115,8 @@ HELP = {
     "api_keys_file": "file of client API keys, one a line (# comments)",
     "admin_token": "token for /admin/* and /debug/route; prefer env KVROUTE_ADMIN_TOKEN or --admin-token-file",
     "admin_token_file": "file holding the admin token",
+    "cost_learning": "on (default): learn each worker's costs online, the --cost-* values being priors "
+    "(one set explicitly is held fixed); off: fixed costs",
     "upstream_client": "forwarding client: raw (default), or httpx / aiohttp to compare in benchmarks",
     "max_inflight_per_worker": "requests in flight to one worker before new ones queue (0: no limit)",
     "queue_size": "requests that may wait for a worker slot; beyond, 429 with Retry-After",
@@ -184,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "policy":
             parser.add_argument(flag, dest=name, choices=sorted(POLICIES), help=help_)
+        elif name == "cost_learning":
+            parser.add_argument(flag, dest=name, choices=("on", "off"), help=help_)
         else:
             parser.add_argument(flag, dest=name, type=kind, help=help_)
     return parser
@@ -286,7 +292,10 @@ def _assemble(values: dict[Slot, Any], env: Mapping[str, str]) -> RouterConfig:
             raise SystemExit(f"kvroute: bad setting {_label(slot)}: {exc}") from None
         section, name = slot
         (top if section is None else sections[section])[name] = coerced
-    config = RouterConfig(**top, **{name: SECTIONS[name](**fields) for name, fields in sections.items()})
+    try:
+        config = RouterConfig(**top, **{name: SECTIONS[name](**fields) for name, fields in sections.items()})
+    except ValueError as exc:  # a section's own check (e.g. cost.learning on|off)
+        raise SystemExit(f"kvroute: bad setting: {exc}") from None
     if config.routing.policy not in POLICIES:
         raise SystemExit(f"kvroute: unknown policy {config.routing.policy!r}")
     return config

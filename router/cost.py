@@ -15,7 +15,9 @@ Llama-3-8B-shaped layers, 32 layers):
 Queued prefill is tracked separately (`WorkerLoad.queued_prefill_s`); the in-flight penalty
 only covers the batch steps that running decodes lengthen.
 
-Another model is described with the same five numbers (`--cost-*` flags).
+Another model is described with the same five numbers (`--cost-*` flags). Those are priors:
+unless `--cost-learning off`, each worker's coefficients are learned online from its answers
+(`router/calibration.py`, issue 15), except the ones set explicitly by flag, which stand.
 """
 
 from __future__ import annotations
@@ -27,25 +29,49 @@ if TYPE_CHECKING:
     from router.routing import WorkerLoad
 
 
+DEFAULTS = {"prefill_base_us": 20.3, "prefill_ctx_ns": 1.01, "pool_load_us": 2.4, "inflight_penalty_ms": 0.3, "step_ms": 15.0}
+"""The `--cost-*` defaults (the H200 Llama-3-8B calibration above)."""
+_SETTING_OF = {
+    "prefill_base_s": "prefill_base_us", "prefill_ctx_s": "prefill_ctx_ns", "pool_load_s_per_token": "pool_load_us",
+    "inflight_penalty_s": "inflight_penalty_ms", "step_s": "step_ms",
+}  # fmt: skip
+"""CostModel field -> the setting that gives it."""
+
+
 @dataclass(frozen=True)
 class CostSettings:
     """The `cost` section of the router's config (`--cost-*`): `CostModel`'s numbers in the
-    units they are measured in."""
+    units they are measured in. None: not set, so the default (`DEFAULTS`) is the prior
+    and learning may move it; a value set explicitly is held fixed."""
 
-    prefill_base_us: float = 20.3
-    prefill_ctx_ns: float = 1.01
-    pool_load_us: float = 2.4
-    inflight_penalty_ms: float = 0.3
-    step_ms: float = 15.0
+    prefill_base_us: float | None = None
+    prefill_ctx_ns: float | None = None
+    pool_load_us: float | None = None
+    inflight_penalty_ms: float | None = None
+    step_ms: float | None = None
+    learning: str = "on"
+    """on: learn each worker's coefficients online (router/calibration.py); off: fixed costs."""
+
+    def __post_init__(self) -> None:
+        if self.learning not in ("on", "off"):
+            raise ValueError(f"cost learning must be on or off, not {self.learning!r}")
+
+    def value(self, name: str) -> float:
+        v = getattr(self, name)
+        return DEFAULTS[name] if v is None else v
 
     def model(self) -> CostModel:
         return CostModel(
-            prefill_base_s=self.prefill_base_us * 1e-6,
-            prefill_ctx_s=self.prefill_ctx_ns * 1e-9,
-            pool_load_s_per_token=self.pool_load_us * 1e-6,
-            inflight_penalty_s=self.inflight_penalty_ms * 1e-3,
-            step_s=self.step_ms * 1e-3,
+            prefill_base_s=self.value("prefill_base_us") * 1e-6,
+            prefill_ctx_s=self.value("prefill_ctx_ns") * 1e-9,
+            pool_load_s_per_token=self.value("pool_load_us") * 1e-6,
+            inflight_penalty_s=self.value("inflight_penalty_ms") * 1e-3,
+            step_s=self.value("step_ms") * 1e-3,
         )
+
+    def fixed(self) -> frozenset[str]:
+        """CostModel fields set explicitly: learning leaves them alone."""
+        return frozenset(f for f, setting in _SETTING_OF.items() if getattr(self, setting) is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +94,11 @@ class CostModel:
     so cache-aware routing only moves a conversation off the worker holding most of its
     prefix for a predicted gain of more than one step."""
 
+    overhead_s: float = 0.0
+    """Fixed seconds per request before its first token beyond its prefill (tokenization,
+    scheduling, the step in progress): 0 by default, learned per worker (a slower worker's
+    is longer)."""
+
     def prefill_s(self, start: int, end: int) -> float:
         """Seconds to prefill prompt tokens start..end given start tokens already cached."""
         if end <= start:
@@ -85,5 +116,9 @@ class CostModel:
         the shared pool. The longer of the two is reused, and what the pool holds beyond
         the GPU is charged its copy instead of its prefill; the TTFT adds the prefill
         already queued on the worker and the batch steps its running requests lengthen."""
-        prefill = self.pool_load_s(pool_tokens - gpu_tokens) + self.prefill_s(max(gpu_tokens, pool_tokens), total_tokens)
+        prefill = (
+            self.overhead_s
+            + self.pool_load_s(pool_tokens - gpu_tokens)
+            + self.prefill_s(max(gpu_tokens, pool_tokens), total_tokens)
+        )
         return prefill, load.queued_prefill_s + load.inflight * self.inflight_penalty_s + prefill

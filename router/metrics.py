@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 LabelValues = tuple[str, ...]
 
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ERROR_BUCKETS = (-3.0, -2.0, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0)
+"""log2 of observed / predicted: 1/8x .. 8x."""
 FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
@@ -217,6 +219,28 @@ class RouterMetrics:
         self.worker_healthy = r.gauge("kvroute_worker_healthy", "1 if the worker passes health checks.", ("worker",))
         self.tenants: TenantMetrics | None = None
         """Per-tenant series, present once tenants are configured (`enable_tenants`)."""
+        self.ttft_prediction_error = r.histogram(
+            "kvroute_ttft_prediction_error_log2",
+            "log2(observed / predicted) time from dispatch to first byte, per worker: 0 exact, 1 twice as long "
+            "as predicted, -1 half (streams the cost model priced).",
+            ("worker",), buckets=ERROR_BUCKETS,
+        )  # fmt: skip
+
+    def enable_cost_learning(
+        self, read: Callable[[], dict[LabelValues, float]], observations: Callable[[], dict[LabelValues, float]]
+    ) -> None:
+        """Expose the learned coefficients (worker, coefficient) and the observations fitted."""
+        r = self.registry
+        r.callback_gauge(
+            "kvroute_cost_coefficient",
+            "Each worker's cost model as learned online (seconds; per token for prefill_base_s and "
+            "pool_load_s_per_token, per token of context per token for prefill_ctx_s); the prior until it has "
+            "enough observations.",
+            ("worker", "coefficient"), read,
+        )  # fmt: skip
+        r.callback_counter(
+            "kvroute_cost_observations_total", "Answers the worker's cost model was fitted on.", ("worker",), observations
+        )
 
     def enable_tenants(self, max_labels: int = 100) -> TenantMetrics:
         if self.tenants is None:

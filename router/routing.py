@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from cache_client.base import IndexView
 from normalizer.prefix import PrefixChain
+from router.cost import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,8 @@ class WorkerLoad:
     between requests, so that sequential traffic spreads too."""
     engine_waiting: int = 0
     """`vllm:num_requests_waiting` from its last scraped /metrics (0 if not scraped)."""
+    cost: CostModel | None = None
+    """Its own cost model, learned online (router/calibration.py); None: the router's."""
 
 
 @dataclass(frozen=True, slots=True)

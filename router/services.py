@@ -24,6 +24,7 @@ from cache_client.memory import MemoryIndex
 from cache_client.response_owners import MemoryResponseOwners, RedisResponseOwners, ResponseOwners
 from router.auth import KeyCheck
 from router.breaker import OutlierDetector
+from router.calibration import Calibrator, cost_readers
 from router.chain import ChainBuilder, EstimateChainBuilder
 from router.config import RouterConfig
 from router.cost import CostModel
@@ -215,6 +216,13 @@ def build_services(
     precise = chains if isinstance(chains, PreciseMode) else None
     policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
     cost = config.cost.model()
+    calibrator = None
+    if config.cost.learning == "on":
+        calibrator = Calibrator(cost, config.cost.fixed())
+        loads.costs = calibrator.costs  # the load view carries each worker's learned model
+        if hasattr(loads, "calibrator"):  # RedisLoadBoard: replicas share their statistics
+            loads.calibrator = calibrator
+        metrics.enable_cost_learning(*cost_readers(calibrator))
     tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
     # With tenants the wait queue serves them by weighted fair share (router/proxy/fair.py).
     admission = config.overload.admission(fair=tenants.enabled)
@@ -230,7 +238,7 @@ def build_services(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
-        tenants=tenants if tenants.enabled else None, salter=salter,
+        tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,
         limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
     )
     env: Mapping[str, str] = environ if environ is not None else {}

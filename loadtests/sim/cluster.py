@@ -1,7 +1,8 @@
 """A simulated fleet in one process: the shared pool and N workers on one event loop.
 
 `kvroute sim-cluster --workers N --base-port P [--pool-port Q] [--time-scale S]
-[--profile ...] [--kv-capacity-tokens N] [--no-pool] [--kv-events-base-port Z]`
+[--profile ...] [--kv-capacity-tokens N] [--no-pool] [--kv-events-base-port Z]
+[--speed F | --speeds F0,F1,...]`
 
 Workers are named w0..w{N-1} and listen on P..P+N-1; the pool listens on Q (default
 P+N). With --kv-events-base-port Z, worker i publishes KV events on tcp://127.0.0.1:Z+i.
@@ -44,11 +45,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-events-base-port", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument(
+        "--speeds", default=None,
+        help="per-worker relative speed F0,F1,... (one per worker; 0.5 = steps take twice as long); default --speed",
+    )  # fmt: skip
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    try:
+        args.speed_list = _speeds(args.speeds, args.workers, args.speed)
+    except ValueError as exc:
+        p.error(f"--speeds: {exc}")
     return args
+
+
+def _speeds(text: str | None, workers: int, default: float) -> list[float]:
+    if not text:
+        return [default] * workers
+    speeds = [float(x) for x in text.split(",")]
+    if len(speeds) != workers:
+        raise ValueError(f"{len(speeds)} speeds for {workers} workers")
+    if not all(f > 0 for f in speeds):
+        raise ValueError("every speed must be positive")
+    return speeds
 
 
 def cli(argv: list[str]) -> int:
@@ -68,7 +88,7 @@ def cli(argv: list[str]) -> int:
             events = None
             if args.kv_events_base_port is not None:
                 events = f"tcp://{args.host}:{args.kv_events_base_port + i}"
-            config = config_from_args(args, f"w{i}", args.base_port + i, pool_url, events)
+            config = config_from_args(args, f"w{i}", args.base_port + i, pool_url, events, speed=args.speed_list[i])
             worker = SimWorker(config, pool=local_pool)
             workers.append(worker)
             servers.append(server_for(worker.app, args.host, config.port))
@@ -187,9 +207,11 @@ class SimCluster(_SimProcess):
         model: str | None = None,
         extra_args: list[str] | None = None,
         pool_in_process: bool = False,
+        speeds: list[float] | None = None,
     ) -> None:
         super().__init__()
         self.pool_in_process = pool_in_process
+        self.speeds = speeds
         self.workers = workers
         self.time_scale = time_scale
         self.profile = profile
@@ -236,6 +258,8 @@ class SimCluster(_SimProcess):
             cmd += ["--profile", self.profile]
         if self.kv_capacity_tokens is not None:
             cmd += ["--kv-capacity-tokens", str(self.kv_capacity_tokens)]
+        if self.speeds:
+            cmd += ["--speeds", ",".join(str(f) for f in self.speeds)]
         return cmd + self.extra_args
 
 

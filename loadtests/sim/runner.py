@@ -47,6 +47,7 @@ class Runner:
         self,
         engine: Engine,
         time_scale: float = 1.0,
+        speed: float = 1.0,
         on_events: Callable[[list[KVEvent], float], None] | None = None,
         on_pool_store: Callable[[Seq, int, int], None] | None = None,
     ) -> None:
@@ -55,12 +56,16 @@ class Runner:
         self.engine = engine
         self.time_scale = time_scale
         self.slow_factor = 1.0
+        self.speed = speed
+        """The GPU's relative speed: every step's simulated duration is divided by it."""
         self.on_events = on_events
         self.on_pool_store = on_pool_store
         self.handles: dict[str, Handle] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.queue_time = Histogram(LATENCY_BUCKETS)
+        self.prefill_time = Histogram(LATENCY_BUCKETS)
+        """vLLM's `request_prefill_time_seconds`: from first scheduled to first token."""
         self.abort_delays: deque[float] = deque(maxlen=32)
         self.client_aborts = 0
         self._wake = asyncio.Event()
@@ -143,7 +148,9 @@ class Runner:
                 # Nothing fits until something finishes or is aborted.
                 await self._wait_for_work()
                 continue
-            duration = step.duration * self.slow_factor
+            # The step's own record carries the duration simulated, so that the engine's
+            # timestamps and busy time (its /metrics) see the slowdown too.
+            duration = step.duration = step.duration * self.slow_factor / self.speed
             self._step_end_sim = self._anchor_sim + duration
             deadline = self._anchor_real + duration * self.time_scale
             try:
@@ -174,6 +181,7 @@ class Runner:
                 self.ttft.observe(seq.first_token_at - seq.arrival)
                 if seq.scheduled_at is not None:
                     self.queue_time.observe(seq.scheduled_at - seq.arrival)
+                    self.prefill_time.observe(seq.first_token_at - seq.scheduled_at)
             if out.finished:
                 handle.finished = True
                 self.handles.pop(seq.id, None)

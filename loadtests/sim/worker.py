@@ -65,6 +65,8 @@ class WorkerConfig:
     model: str = DEFAULT_MODEL
     profile: str = DEFAULT_PROFILE
     time_scale: float = 1.0
+    speed: float = 1.0
+    """Relative speed of this worker's GPU: 0.5 = every step takes twice as long."""
     kv_capacity_tokens: int | None = None
     pool_url: str | None = None
     kv_events: str | None = None
@@ -165,6 +167,7 @@ class SimWorker:
         self.runner = Runner(
             self.engine,
             time_scale=config.time_scale,
+            speed=config.speed,
             on_events=self._publish_events if self.publisher else None,
             on_pool_store=self._store_to_pool if self.pool else None,
         )
@@ -526,6 +529,18 @@ class SimWorker:
             self.runner.slow_factor = self.fault.slow_factor
             return _json({"mode": self.fault.mode, "slow_factor": self.fault.slow_factor})
 
+        async def sim_speed(request: Request) -> Response:
+            # A GPU that slows down at runtime (thermal throttling, a noisy neighbour):
+            # what the router's online cost calibration must follow (issue 15).
+            try:
+                speed = float(orjson.loads(await request.body() or b"{}")["speed"])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                return _error(400, 'expected {"speed": x} with x > 0', "BadRequestError")
+            if not speed > 0 or speed == float("inf"):
+                return _error(400, "speed must be a positive number", "BadRequestError")
+            self.config.speed = self.runner.speed = speed
+            return _json({"speed": speed, "sim_time_s": self.runner.sim_now()})
+
         async def reset_prefix_cache(request: Request) -> Response:
             if not self.engine.reset_prefix_cache():
                 return _error(409, "requests are running; the prefix cache was not reset", "ConflictError")
@@ -543,6 +558,7 @@ class SimWorker:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/sim/state", sim_state, methods=["GET"]),
             Route("/sim/fault", sim_fault, methods=["POST"]),
+            Route("/sim/speed", sim_speed, methods=["POST"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             *probe_routes(self),
         ]
@@ -557,6 +573,7 @@ class SimWorker:
             "model": self.config.model,
             "profile": self.cost.profile.name,
             "time_scale": self.config.time_scale,
+            "speed": self.runner.speed,
             "sim_time_s": self.runner.sim_now(),
             "running": len(e.running),
             "waiting": len(e.waiting),
@@ -610,6 +627,9 @@ class SimWorker:
         x.histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", r.ttft, labels)
         x.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", r.e2e, labels)
         x.histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue.", r.queue_time, labels)
+        x.histogram(
+            "vllm:request_prefill_time_seconds", "Time spent in the prefill phase.", r.prefill_time, labels,
+        )  # fmt: skip
         info = (
             f'block_size="{BLOCK_SIZE}",cache_dtype="auto",enable_prefix_caching="True",'
             f'gpu_memory_utilization="0.85",num_gpu_blocks="{e.blocks.num_blocks}",'
@@ -637,6 +657,10 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> R
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     p.add_argument("--time-scale", type=float, default=1.0, help="real seconds per simulated second")
+    p.add_argument(
+        "--speed", type=_positive, default=1.0,
+        help="relative speed of the simulated GPU: 0.5 = every step takes twice as long (POST /sim/speed changes it)",
+    )  # fmt: skip
     p.add_argument("--kv-capacity-tokens", type=int, default=None, help="GPU KV capacity (default: from the profile)")
     p.add_argument("--max-tokens-default", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -646,6 +670,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--auto-tool-calls", choices=("call", "text"), default="call",
         help='tool_choice "auto": call the first tool after a user turn, or always answer in text',
     )  # fmt: skip
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -662,7 +693,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_from_args(args: argparse.Namespace, name: str, port: int, pool: str | None, kv_events: str | None) -> WorkerConfig:
+def config_from_args(
+    args: argparse.Namespace, name: str, port: int, pool: str | None, kv_events: str | None, speed: float | None = None
+) -> WorkerConfig:
     return WorkerConfig(
         name=name,
         port=port,
@@ -670,6 +703,7 @@ def config_from_args(args: argparse.Namespace, name: str, port: int, pool: str |
         model=args.model,
         profile=args.profile,
         time_scale=args.time_scale,
+        speed=speed if speed is not None else args.speed,
         kv_capacity_tokens=args.kv_capacity_tokens,
         pool_url=pool,
         kv_events=kv_events,

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.cost import CostModel
 from router.routing import WorkerLoad
 
 DEFAULT_RECENT_HALF_LIFE_S = 30.0
@@ -30,6 +31,8 @@ class Ticket:
 
 
 class LoadBoard(Protocol):
+    costs: dict[str, CostModel]
+
     def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]: ...
     def acquire(self, worker: str, prefill_s: float) -> Ticket: ...
     def first_byte(self, ticket: Ticket) -> None: ...
@@ -54,6 +57,9 @@ class LocalLoadBoard:
         self._decay = math.log(2) / half_life_s
         self._clock = clock
         self._counts: dict[str, _Counts] = {}
+        self.costs: dict[str, CostModel] = {}
+        """Each worker's learned cost model (router/calibration.py keeps it up to date):
+        the load view carries it to the policy."""
 
     def _get(self, worker: str) -> _Counts:
         c = self._counts.get(worker)
@@ -66,10 +72,13 @@ class LocalLoadBoard:
 
     def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]:
         now = self._clock()
+        costs = self.costs
         out = []
         for name in names:
             c = self._get(name)
-            out.append(WorkerLoad(name, c.inflight, max(c.queued_prefill_s, 0.0), self._recent(c, now), c.engine_waiting))
+            out.append(
+                WorkerLoad(name, c.inflight, max(c.queued_prefill_s, 0.0), self._recent(c, now), c.engine_waiting, costs.get(name))
+            )
         return out
 
     def acquire(self, worker: str, prefill_s: float) -> Ticket:
@@ -107,3 +116,4 @@ class LocalLoadBoard:
 
     def forget(self, worker: str) -> None:
         self._counts.pop(worker, None)
+        self.costs.pop(worker, None)

@@ -28,6 +28,7 @@ import orjson
 
 from cache_client.redact import exc_summary
 from cache_client.redis_conn import REDIS_ERRORS, RedisBackend, Script
+from router.calibration import Calibrator
 from router.load.board import DEFAULT_RECENT_HALF_LIFE_S, LocalLoadBoard, Ticket
 from router.routing import WorkerLoad
 
@@ -75,6 +76,10 @@ class RedisLoadBoard(LocalLoadBoard):
         self.replicas = 1
         """Live replicas (this one included) at the last sync: kept while Redis is away, for
         the share of the tenant limits each replica enforces meanwhile."""
+        self.calibrator: Calibrator | None = None
+        """Learned cost models (router/calibration.py): their statistics ride on every
+        `cost_every`-th sync, and the other replicas' come back with it."""
+        self.cost_every = max(1, round(1.0 / sync_interval_s))
         backend.on_close.append(self._leave)
         # Heartbeat from the moment Redis answers, not from this replica's first request:
         # other replicas (and operators) see every live replica.
@@ -102,9 +107,13 @@ class RedisLoadBoard(LocalLoadBoard):
 
     async def sync(self) -> bool:
         """Publish this replica's counts and take in the others'. False if Redis failed."""
+        calibrator = self.calibrator
+        costs = b""
+        if calibrator is not None and self.syncs % self.cost_every == 0:
+            costs = orjson.dumps(calibrator.export())
         try:
-            others = await self._backend.script(
-                LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, self._payload()]
+            others, stats = await self._backend.script(
+                LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, self._payload(), costs]
             )
         except Exception as exc:
             if not isinstance(exc, REDIS_ERRORS):
@@ -125,6 +134,8 @@ class RedisLoadBoard(LocalLoadBoard):
         self.replicas = 1 + len(others)
         self._synced_at = now
         self.syncs += 1
+        if costs and calibrator is not None:
+            calibrator.absorb(_merge_stats(stats))
         return True
 
     async def _sync_loop(self) -> None:
@@ -138,12 +149,13 @@ class RedisLoadBoard(LocalLoadBoard):
 
     async def _leave(self) -> None:
         if self._backend.up:
-            await self._backend.script(LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, ""])
+            await self._backend.script(LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, "", ""])
 
     # -- LoadBoard -------------------------------------------------------------------------
     def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]:
         self._start()
         now = self._clock()
+        costs = self.costs
         out = []
         for name in names:
             c = self._get(name)
@@ -153,7 +165,7 @@ class RedisLoadBoard(LocalLoadBoard):
                 inflight += r.inflight
                 queued += r.queued_prefill_s
                 recent += r.recent * math.exp(-self._decay * (now - r.at))
-            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting))
+            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting, costs.get(name)))
         return out
 
     def acquire(self, worker: str, prefill_s: float) -> Ticket:
@@ -174,3 +186,12 @@ class RedisLoadBoard(LocalLoadBoard):
     def remote_view(self) -> dict[str, Any]:
         """The other replicas' counts as last synced (for tests and debugging)."""
         return {n: (r.inflight, r.queued_prefill_s, r.recent) for n, r in self._remote.items()}
+
+
+def _merge_stats(raws: list[bytes]) -> dict[str, list[list[float]]]:
+    """Other replicas' cost statistics, {worker: [one export per replica]}."""
+    merged: dict[str, list[list[float]]] = {}
+    for raw in raws:
+        for worker, flat in orjson.loads(raw).items():
+            merged.setdefault(worker, []).append(flat)
+    return merged

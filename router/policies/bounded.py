@@ -24,6 +24,13 @@ requests in flight than the absolute slack (an engine batches that many at almos
 less queued prefill than one engine step, and nothing waiting in the engine. Above that the
 caps apply as before, and requests that no worker holds as a conversation (new sessions
 on a hot system prompt) are spread by the recent cap at any load.
+
+Heterogeneous fleets (issue 15): the caps are shares of the fleet's load, and a worker twice
+as fast serves twice the share. When every candidate carries its learned cost model
+(`WorkerLoad.cost`), each worker's caps are scaled by its speed relative to the fleet's
+mean (the inverse of its predicted prefill of a reference prompt). Without that, a fast
+worker's fair share put it over a speed-blind cap, and new sessions were spread onto the
+slow workers, where their prefill took twice as long: the p99 of a mixed fleet.
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ def within_bounds(
     step, `CostModel.step_s`; the default 0 exempts nobody).
     """
     n = len(loads)
-    inflight_cap = load_factor * (sum(w.inflight for w in loads) + 1) / n + 1
+    share = speed_shares(loads)
+    inflight_mean = (sum(w.inflight for w in loads) + 1) / n
     least_inflight = min(w.inflight for w in loads)
-    recent_cap = (1 + 2 * (load_factor - 1)) * (sum(w.recent for w in loads) + 1) / n + 1
+    recent_mean = (sum(w.recent for w in loads) + 1) / n
 
     def quiet_home(w: WorkerLoad) -> bool:
         return (
@@ -63,9 +71,24 @@ def within_bounds(
         )
 
     def over(w: WorkerLoad) -> bool:
-        busy = w.inflight + 1 > inflight_cap and w.inflight + 1 - least_inflight > abs_slack
+        f = share.get(w.name, 1.0)
+        busy = w.inflight + 1 > load_factor * inflight_mean * f + 1 and w.inflight + 1 - least_inflight > abs_slack
+        recent_cap = (1 + 2 * (load_factor - 1)) * recent_mean * f + 1
         return busy or (w.recent + 1 > recent_cap and not quiet_home(w))
 
     eligible = [w for w in loads if not over(w)]
     # The least-loaded worker is always under the mean, so this only trips on float edge cases.
     return eligible or [min(loads, key=lambda w: (w.inflight, w.recent))]
+
+
+REFERENCE_PROMPT_TOKENS = 4096
+
+
+def speed_shares(loads: Sequence[WorkerLoad]) -> dict[str, float]:
+    """Each worker's speed relative to the candidates' mean (mean 1), from their learned
+    costs; empty (all equal) unless every candidate has one."""
+    if not loads or any(w.cost is None for w in loads):
+        return {}
+    speeds = {w.name: 1.0 / max(w.cost.prefill_s(0, REFERENCE_PROMPT_TOKENS), 1e-9) for w in loads}  # type: ignore[union-attr]
+    mean = sum(speeds.values()) / len(speeds)
+    return {name: v / mean for name, v in speeds.items()}

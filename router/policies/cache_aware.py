@@ -73,7 +73,8 @@ class CacheAwarePolicy:
         scores: list[CandidateScore] = []
         for w in loads:
             gpu = gpu_of[w.name]
-            prefill, ttft = cost.predicted_ttft_s(w, gpu, pool, total)
+            # The worker's own learned costs where there are some (a slower GPU prices higher).
+            prefill, ttft = (w.cost or cost).predicted_ttft_s(w, gpu, pool, total)
             # Hysteresis: leaving the worker that holds most of the prefix must win a step.
             score = ttft + (cost.step_s if gpu < most_cached else 0.0)
             scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, pool, prefill, ttft, w.name in eligible, w)))

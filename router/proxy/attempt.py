@@ -42,7 +42,7 @@ class AttemptFailed(Exception):
 
 
 class Attempt:
-    __slots__ = ("chunks", "probing", "proxy", "reason", "ticket", "upstream", "worker")
+    __slots__ = ("chunks", "first_byte_s", "probing", "proxy", "reason", "ticket", "upstream", "worker")
 
     def __init__(self, proxy: Proxy, worker: Worker, reason: str, prefill_s: float) -> None:
         """Claim `worker` for one try; its breaker has admitted the try (`begin()`)."""
@@ -54,6 +54,8 @@ class Attempt:
         self.ticket = proxy.loads.acquire(worker.name, prefill_s)
         self.upstream: UpstreamResponse | None = None
         self.chunks: AsyncIterator[bytes] | None = None
+        self.first_byte_s: float | None = None
+        """Dispatch to the stream's first byte (its first token): what cost learning fits."""
 
     # -- outcomes -----------------------------------------------------------------------
     def first_byte(self, latency_s: float | None) -> None:
@@ -133,7 +135,8 @@ class Attempt:
                 self.worker.breaker.success(loop.time() - sent_at)
                 proxy.fleet.mark_ok(self.worker.name)
             else:
-                self.first_byte(loop.time() - sent_at if relay else None)
+                self.first_byte_s = loop.time() - sent_at if relay else None
+                self.first_byte(self.first_byte_s)
             tenants = proxy.metrics.tenants
             if relay:
                 proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)

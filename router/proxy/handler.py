@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -32,6 +33,7 @@ from cache_client.served_ends import ServedEnds
 from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
 from router.auth import presented_key
+from router.calibration import Calibrator, Dispatch, relative_error
 from router.chain import ChainBuilder, RequestKind
 from router.cost import CostModel
 from router.errors import RouterError
@@ -65,6 +67,12 @@ _EMPTY_CHAIN = PrefixChain((), (), 0)
 # Builds a Routed from a plain tuple, skipping the NamedTuple's Python-level __new__ (one
 # per request; as for CandidateScore in router/policies/cache_aware.py).
 _new_routed = tuple.__new__
+
+_LEARNED_KINDS = frozenset({"chat", "completion"})
+"""Streams whose first byte is their first token (a Responses or Messages stream opens with
+an event sent before any prefill)."""
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 
 _Outcome = Literal["answered", "full", "held", "exhausted"]
 """How one pass over a ranking ended: a worker answered; every worker left was at its
@@ -115,10 +123,13 @@ class Proxy:
         tenants: TenantLookup | None = None,
         salter: CacheSalter | None = None,
         limiter: TenantLimiter | None = None,
+        calibrator: Calibrator | None = None,
     ) -> None:
         self.settings = settings
         self.limiter = limiter
         """With tenants: their limits (router/tenants/enforce.py)."""
+        self.calibrator = calibrator
+        """Learns each worker's costs from its answers (None: `--cost-learning off`)."""
         self.tenants = tenants
         """Tenants by client key (None: no tenants configured)."""
         self.salter = salter
@@ -283,6 +294,22 @@ class Proxy:
         prior = choice.decision.cached_tokens if previous_id(ex.body) is not None else 0
         return self.affinity.learner(ex.body, worker, choice.chain.total_tokens, prior)
 
+    def learn_cost(self, ex: Exchange, worker: str, first_byte_s: float, tail: bytes) -> None:
+        """A stream answered on `worker`, its first byte `first_byte_s` after dispatch, its
+        usage in `tail`: record the prediction error and feed the worker's cost model."""
+        choice = ex.choice
+        if choice is None or ex.kind not in _LEARNED_KINDS or choice.decision.worker != worker:
+            return  # a retry went elsewhere than the decision priced
+        dispatch = _dispatch_of(choice, worker)
+        if dispatch is None:
+            return
+        if dispatch.predicted_ttft_s is not None:
+            error = relative_error(dispatch.predicted_ttft_s, first_byte_s)
+            if error == error:  # not NaN
+                self.metrics.ttft_prediction_error.observe(error, worker)
+        if self.calibrator is not None:
+            self.calibrator.observe(dispatch, first_byte_s, _cached_tokens(tail, dispatch.total_tokens))
+
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:
         admission = self.admission
@@ -398,7 +425,8 @@ class Proxy:
                 attempt = Attempt(self, worker, decision.reason, decision.prefill_s)
             else:
                 reason = "retry" if ex.attempts else "overload"
-                attempt = Attempt(self, worker, reason, self.cost.prefill_s(0, chain.total_tokens))
+                cost = self.loads.costs.get(name) or self.cost  # its own learned costs, if any
+                attempt = Attempt(self, worker, reason, cost.prefill_s(0, chain.total_tokens))
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
@@ -476,3 +504,27 @@ def _flow(ex: Exchange) -> Flow:
     """The request's flow in the fair-share queue: its tenant (weighted), or none."""
     tenant = ex.tenant
     return NO_FLOW if tenant is None else Flow(tenant.name, tenant.weight)
+
+
+def _dispatch_of(choice: Routed, worker: str) -> Dispatch | None:
+    """What the decision knew about `worker` when it sent the request there."""
+    load = next((w for w in choice.loads if w.name == worker), None)
+    if load is None:
+        return None
+    decision = choice.decision
+    score = next((s for s in decision.scores if s.worker == worker), None)
+    return Dispatch(
+        worker, choice.chain.total_tokens, decision.cached_tokens, score.gpu_tokens if score else decision.cached_tokens,
+        load.queued_prefill_s, load.inflight, load.engine_waiting, decision.prefill_s,
+        score.ttft_s if score else None,
+    )  # fmt: skip
+
+
+def _cached_tokens(tail: bytes, total_tokens: int) -> int | None:
+    """The prompt tokens the engine reports it reused (`usage.prompt_tokens_details`), in
+    the router's token units (its estimate of the prompt's length may differ from the
+    engine's count); None if the stream carried no usage."""
+    cached, prompt = _CACHED.findall(tail), _PROMPT.findall(tail)
+    if not cached or not prompt or int(prompt[-1]) <= 0:
+        return None
+    return round(int(cached[-1]) * total_tokens / int(prompt[-1]))

@@ -115,6 +115,9 @@ async def relay_stream(
         ex.generated = metrics.tenants.generated_in(ex.tenant, previous + last if previous is not last else last)
     if learner is not None:
         await learner.settle()
+    if not tail and attempt.first_byte_s is not None:
+        # The usage (cached tokens) is in the last chunks: what this answer teaches the cost model.
+        proxy.learn_cost(ex, attempt.worker.name, attempt.first_byte_s, previous + last if previous is not last else last)
     ex.finished = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 

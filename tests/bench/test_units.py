@@ -211,3 +211,31 @@ def test_a_child_process_counts_for_its_own_name_not_its_parent() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_cost_variants_speeds_and_speed_changes_parse() -> None:
+    """Issue 15's bench options: policy@variant entries, --speeds, --speed-change."""
+    from loadtests.bench import parse_entries
+    from loadtests.cost_learning import cost_args, parse_speed_changes, parse_speeds
+    from loadtests.sim.costs import build_cost_model
+
+    entries = parse_entries("cache_aware@learned,cache_aware@exact-nopool,random@static", "")
+    assert [(e.key, e.policy, e.cost, e.pool) for e in entries] == [
+        ("cache_aware@learned", "cache_aware", "learned", True),
+        ("cache_aware@exact-nopool", "cache_aware", "exact", False),
+        ("random@static", "random", "static", False),
+    ]
+    with pytest.raises(ValueError):
+        parse_entries("cache_aware@clever", "")
+    cost = build_cost_model("h200-qwen2.5-72b-tp8")
+    exact = cost_args("exact", cost, 2.0)
+    base = float(exact[exact.index("--cost-prefill-base-us") + 1])
+    assert base == pytest.approx(cost.marginal_prefill_s(0) * 1e6 * 2.0, rel=1e-3)  # wall seconds
+    assert cost_args("static", cost, 1.0) == ["--cost-learning", "off"]
+    assert parse_speeds("1,0.5", 2) == [1.0, 0.5]
+    with pytest.raises(ValueError):
+        parse_speeds("1,0.5", 3)
+    (change,) = parse_speed_changes("w3=0.5@120")
+    assert (change.worker, change.speed, change.at_s) == ("w3", 0.5, 120.0)
+    with pytest.raises(ValueError):
+        parse_speed_changes("w3=0.5")

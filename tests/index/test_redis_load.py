@@ -162,3 +162,25 @@ async def test_without_redis_each_replica_counts_its_own_and_drops_stale_remote_
         # Redis is gone: b cannot know whether a still runs; after a lease, only its own count.
         assert not b._backend.up
         assert b.inflight("w") == 1 and math.isclose(loads_of(b, "w")["w"][1], 0.1)
+
+
+async def test_replicas_share_learned_costs(boards) -> None:
+    """Issue 15: cost-model statistics ride on the sync; a replica that has seen nothing
+    of a worker prices it with what another replica learned."""
+    from router.calibration import Calibrator, Dispatch
+    from router.cost import CostSettings
+
+    prior = CostSettings().model()
+    a, b = boards(sync_interval_s=1.0), boards(sync_interval_s=1.0)
+    for board in (a, b):
+        board.calibrator = Calibrator(prior)
+        board.costs = board.calibrator.costs
+    for i in range(40):  # a worker 3x the prior's cost per token
+        total = 1000 + 500 * i
+        a.calibrator.observe(Dispatch("w0", total, 0, 0, 0.0, 0, 0, 0.1, None), 3 * prior.prefill_s(0, total), 0)
+    assert "w0" in a.costs and "w0" not in b.costs
+    assert await a.sync() and await b.sync()
+    learned = b.snapshot(["w0"])[0].cost
+    assert learned is not None
+    assert learned.prefill_s(0, 8000) == pytest.approx(a.costs["w0"].prefill_s(0, 8000), rel=0.05)
+    assert learned.prefill_s(0, 8000) > 2 * prior.prefill_s(0, 8000)

@@ -1,0 +1,132 @@
+"""The online cost estimator (router/calibration.py) on synthetic observations: pure logic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.calibration import (
+    Calibrator,
+    Dispatch,
+    Estimator,
+    Observation,
+    Stats,
+    marginal_prefill_s,
+)
+from router.config_loader import load_config
+from router.cost import CostSettings
+
+PRIOR = CostSettings().model()  # the 8B defaults: ~3x too cheap for the "true" worker below
+TRUE = {"overhead": 0.004, "base": 60e-6, "ctx": 4e-9, "inflight": 0.5e-3}
+
+
+def seconds(start: int, end: int, inflight: int = 0, slow: float = 1.0) -> float:
+    n = end - start
+    return slow * (TRUE["overhead"] + TRUE["base"] * n + TRUE["ctx"] * (end * end - start * start) / 2 + TRUE["inflight"] * inflight)
+
+
+def feed(e: Estimator, rng: random.Random, n: int, slow: float = 1.0, outliers: float = 0.0) -> None:
+    for _ in range(n):
+        end = rng.choice([rng.randint(20, 400), rng.randint(500, 30_000), rng.randint(500, 30_000)])
+        start = rng.choice([0, 0, rng.randint(0, end)])
+        k = rng.randint(0, 8)
+        y = seconds(start, end, k, slow) * rng.uniform(0.95, 1.05)
+        if rng.random() < outliers:
+            y *= rng.uniform(2, 5)  # queued behind work the router did not see
+        e.add(Observation(start, end, y, 0, k))
+
+
+def ratio(e: Estimator, context: int, slow: float = 1.0) -> float:
+    return marginal_prefill_s(e.model, context) / (slow * (TRUE["base"] + TRUE["ctx"] * context))
+
+
+def test_converges_from_a_wrong_prior_within_a_few_hundred() -> None:
+    e = Estimator(PRIOR)
+    feed(e, random.Random(1), 200)
+    assert ratio(e, 4096) == pytest.approx(1, abs=0.1)
+    assert ratio(e, 16_384) == pytest.approx(1, abs=0.1)
+    assert e.model.overhead_s == pytest.approx(TRUE["overhead"], rel=0.5)
+
+
+def test_robust_to_queued_outliers() -> None:
+    e = Estimator(PRIOR)
+    feed(e, random.Random(2), 300, outliers=0.1)
+    assert ratio(e, 4096) == pytest.approx(1, abs=0.1)
+    assert ratio(e, 16_384) == pytest.approx(1, abs=0.15)
+
+
+def test_follows_a_slowdown() -> None:
+    rng = random.Random(3)
+    e = Estimator(PRIOR)
+    feed(e, rng, 200)
+    feed(e, rng, 60, slow=2.0)
+    assert e.shifts >= 1
+    assert ratio(e, 4096, slow=2.0) == pytest.approx(1, abs=0.15)
+
+
+def test_prior_stands_until_enough_observations() -> None:
+    e = Estimator(PRIOR)
+    feed(e, random.Random(4), e.settings.min_observations - 1)
+    assert e.model is PRIOR
+
+
+def test_explicit_coefficient_is_held_fixed() -> None:
+    e = Estimator(PRIOR, fixed={"prefill_ctx_s"})
+    feed(e, random.Random(5), 200)
+    assert e.model.prefill_ctx_s == PRIOR.prefill_ctx_s
+    assert e.model.prefill_base_s > 2 * PRIOR.prefill_base_s  # the rest still learned
+
+
+def test_replicas_statistics_add_up() -> None:
+    rng = random.Random(6)
+    a, b = Estimator(PRIOR), Estimator(PRIOR)
+    feed(a, rng, 100)
+    b.others = [Stats.from_export(a.stats.export())]  # b has seen nothing itself
+    assert b.learned
+    b.refit()
+    assert marginal_prefill_s(b.model, 4096) == pytest.approx(marginal_prefill_s(a.model, 4096), rel=0.02)
+
+
+def dispatch(queued_s: float = 0.0, waiting: int = 0) -> Dispatch:
+    return Dispatch("w0", 8000, 0, 0, queued_s, 0, waiting, 0.5, 0.5)
+
+
+def test_calibrator_skips_requests_that_found_a_queue() -> None:
+    cal = Calibrator(PRIOR)
+    assert cal.observe(dispatch(queued_s=2.0), 3.0, 0) is None
+    assert cal.observe(dispatch(waiting=3), 3.0, 0) is None
+    obs = cal.observe(dispatch(queued_s=0.1), 0.6, 4000)
+    assert obs is not None and obs.seconds == pytest.approx(0.5) and obs.start == 4000
+    assert cal.skipped_queued == 2 and "w0" not in cal.costs  # not yet enough to stand
+
+
+def test_config_flags_are_priors_and_explicit_ones_win() -> None:
+    default = load_config([])
+    assert default.cost.learning == "on" and default.cost.fixed() == frozenset()
+    assert default.cost.model() == PRIOR
+    set_ = load_config(["--cost-prefill-base-us", "50", "--cost-learning", "off"], {"KVROUTE_COST_STEP_MS": "9"})
+    assert set_.cost.learning == "off"
+    assert set_.cost.fixed() == {"prefill_base_s", "step_s"}
+    assert set_.cost.model().prefill_base_s == pytest.approx(50e-6)
+    with pytest.raises(SystemExit):
+        load_config([], {"KVROUTE_COST_LEARNING": "maybe"})
+
+
+def test_bounded_loads_give_a_faster_worker_its_share() -> None:
+    """The recent-traffic cap scales with learned speed: a worker twice as fast may carry
+    twice the slow one's recent requests without counting as over it."""
+    from dataclasses import replace
+
+    from router.policies.bounded import speed_shares, within_bounds
+    from router.routing import WorkerLoad
+
+    slow = replace(PRIOR, prefill_base_s=2 * PRIOR.prefill_base_s, prefill_ctx_s=2 * PRIOR.prefill_ctx_s)
+    loads = [
+        WorkerLoad("fast", recent=30.0, cost=PRIOR), WorkerLoad("slow1", recent=10.0, cost=slow),
+        WorkerLoad("slow2", recent=10.0, cost=slow),
+    ]  # fmt: skip
+    assert speed_shares(loads) == pytest.approx({"fast": 1.5, "slow1": 0.75, "slow2": 0.75})
+    assert {w.name for w in within_bounds(loads)} == {"fast", "slow1", "slow2"}
+    blind = [replace(w, cost=None) for w in loads]  # without learned costs: the old cap
+    assert {w.name for w in within_bounds(blind)} == {"slow1", "slow2"}
