@@ -92,7 +92,16 @@ class EstimatorSettings:
     observations beyond `shift_threshold` (all off in one direction, not a few outliers)."""
     shift_threshold: float = 0.25
     shift_keep: float = 0.05
-    """On a change of regime, the weight the old observations keep."""
+    """On a change of regime while the fit is still settling (fewer than `settled`
+    observations: its residuals may be its own error), the weight the old observations keep."""
+    settled: int = 64
+    shift_rescaled_keep: float = 0.3
+    """On a change of regime of a settled fit, the weight the old observations keep once
+    rescaled by the change's factor (`Stats.rescale`): they then describe the new regime to
+    first order, so the estimate moves at once instead of waiting for new rows, which a
+    slowed worker gets few of once the router prices it slower."""
+    shift_max_factor: float = 5.0
+    """Bound on the factor a change of regime rescales by (either way)."""
 
 
 class Stats:
@@ -120,6 +129,15 @@ class Stats:
                 row[j] *= factor
         self.b = [v * factor for v in self.b]
         self.weight *= factor
+
+    def rescale(self, factor: float) -> None:
+        """As if every observation had taken `factor` times as long. The weights are relative
+        (1 / seconds²), so A scales by 1/factor² and b by 1/factor: the solution, by factor."""
+        inv = 1.0 / factor
+        for row in self.a:
+            for j in range(_N):
+                row[j] *= inv * inv
+        self.b = [v * inv for v in self.b]
 
     def export(self) -> list[float]:
         """Upper triangle of A, then b, then the weight (what replicas share)."""
@@ -217,17 +235,26 @@ class Estimator:
 
     def _detect_shift(self, r: float) -> None:
         """Huber weights resist a lasting change as much as outliers: when the recent
-        residuals are all off in one direction, discount the past instead."""
+        residuals are all off in one direction, rescale the past by the change's factor (a
+        throttled GPU or a noisy neighbour slows every coefficient alike) and discount it,
+        so what differs from a uniform change is learnt from the new rows."""
         recent = self._recent
         recent.append(r)
         if len(recent) < recent.maxlen or self.observations < self.settings.min_observations:  # type: ignore[operator]
             return
         median = sorted(recent)[len(recent) // 2]
         if abs(median) > self.settings.shift_threshold:
-            self.stats.discount(self.settings.shift_keep)
+            s = self.settings
+            if self.observations >= s.settled:
+                self.stats.rescale(min(max(1.0 + median, 1.0 / s.shift_max_factor), s.shift_max_factor))
+                self.stats.discount(s.shift_rescaled_keep)
+            else:
+                self.stats.discount(s.shift_keep)
             self.residual_scale = 1.0
             recent.clear()
             self.shifts += 1
+            if self.learned:
+                self.refit()  # the rescaled past prices the next request, not the old fit
 
     @property
     def learned(self) -> bool:

@@ -65,6 +65,19 @@ def test_follows_a_slowdown() -> None:
     assert ratio(e, 4096, slow=2.0) == pytest.approx(1, abs=0.15)
 
 
+def test_a_slowdown_is_priced_as_soon_as_it_is_detected() -> None:
+    """A slowed worker gets few requests once priced slower: the rescaled past must carry
+    the estimate, not the handful of rows after the change (the shift window's 16)."""
+    rng = random.Random(6)
+    e = Estimator(PRIOR)
+    feed(e, rng, 200)
+    before = e.shifts
+    feed(e, rng, e.settings.shift_window + 2, slow=2.0)
+    assert e.shifts == before + 1
+    assert ratio(e, 4096, slow=2.0) == pytest.approx(1, abs=0.15)
+    assert ratio(e, 16384, slow=2.0) == pytest.approx(1, abs=0.15)
+
+
 def test_prior_stands_until_enough_observations() -> None:
     e = Estimator(PRIOR)
     feed(e, random.Random(4), e.settings.min_observations - 1)
