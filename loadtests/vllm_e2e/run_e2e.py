@@ -114,10 +114,37 @@ ENV_QUIET = {
 }
 
 
+_PICKED: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, not picked before in this run.
+
+    A port the kernel hands out for bind(0) is an ephemeral one: between this pick and the
+    server's bind, an outgoing connection (the engines', LMCache's) could take it as its
+    local port, and a worker's KV-event replay socket failed with "Address already in use"
+    in CI. Checked on all interfaces, as the engines bind `tcp://*`."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10_000, min(_ephemeral_low(), 32768))
+        if port in _PICKED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 # -- processes --------------------------------------------------------------------------------
