@@ -177,6 +177,13 @@ def test_redis_outage_falls_back_to_the_local_share(tenants_file: Path) -> None:
     assert free == [200] * 10
 
 
+def _send(client: httpx.AsyncClient, url: str, key: str, tag: str) -> asyncio.Future:
+    """A chat request from the tenant holding `key`, tagged so the upstream's order shows it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": tag}]}
+    return asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=body,
+                                             headers={"authorization": f"Bearer {key}"}))
+
+
 def test_fair_queue_serves_a_light_tenant_ahead_of_a_heavy_backlog(tenants_file: Path) -> None:
     # One worker slot, 0.3 s a request: the heavy tenant's burst queues behind it.
     args = ["--tenants", str(tenants_file), "--max-inflight-per-worker", "1", "--queue-size", "50",
@@ -187,9 +194,7 @@ def test_fair_queue_serves_a_light_tenant_ahead_of_a_heavy_backlog(tenants_file:
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=20)) as client:
                 def send(key: str, tag: str) -> asyncio.Future:
-                    body = {"model": MODEL, "messages": [{"role": "user", "content": tag}]}
-                    return asyncio.ensure_future(client.post(r.url + "/v1/chat/completions", json=body,
-                                                             headers={"authorization": f"Bearer {key}"}))
+                    return _send(client, r.url, key, tag)
 
                 heavy = [send("sk-heavy", f"heavy-{i}") for i in range(8)]
                 while "kvroute_queue_depth 7" not in r.metrics():
@@ -218,9 +223,7 @@ def test_light_tenant_finds_a_reserved_slot_while_a_heavy_one_saturates(tenants_
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=20)) as client:
                 def send(key: str, tag: str) -> asyncio.Future:
-                    body = {"model": MODEL, "messages": [{"role": "user", "content": tag}]}
-                    return asyncio.ensure_future(client.post(r.url + "/v1/chat/completions", json=body,
-                                                             headers={"authorization": f"Bearer {key}"}))
+                    return _send(client, r.url, key, tag)
 
                 first = send("sk-light", "light-0")
                 while not any(b"light-0" in rec.body for rec in up.received):
