@@ -232,7 +232,10 @@ async def explain(
 
 
 def _load(load: WorkerLoad) -> dict[str, Any]:
-    return {"worker": load.name, "inflight": load.inflight, "queued_prefill_s": load.queued_prefill_s, "recent": load.recent}
+    return {
+        "worker": load.name, "inflight": load.inflight, "prefilling": load.prefilling,
+        "queued_prefill_s": load.queued_prefill_s, "recent": load.recent,
+    }  # fmt: skip
 
 
 def _priced(score: CandidateScore, default: CostModel) -> dict[str, Any]:

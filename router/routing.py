@@ -27,6 +27,9 @@ class WorkerLoad:
     """`vllm:num_requests_waiting` from its last scraped /metrics (0 if not scraped)."""
     cost: CostModel | None = None
     """Its own cost model, learned online (router/calibration.py); None: the router's."""
+    prefilling: int = 0
+    """Requests the router has sent to it that have not produced a first byte yet (the
+    queue whose prefill `queued_prefill_s` sums)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +49,9 @@ class CandidateScore(NamedTuple):
     one per candidate on every request, and sorts them as they are."""
 
     score_s: float
-    """What the policy ranks by: `ttft_s`, plus one engine step if the candidate is not
-    the worker holding most of the prefix."""
+    """What the policy ranks by: `ttft_s`, plus `prefill_s` times the requests queued there
+    for their first byte (the delay this placement adds to others), plus one engine step if
+    the candidate is not the worker holding most of the prefix."""
     recent: float
     """Its decayed count of recent requests: the tie-break."""
     worker: str

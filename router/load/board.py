@@ -42,10 +42,11 @@ class LoadBoard(Protocol):
 
 
 class _Counts:
-    __slots__ = ("engine_waiting", "inflight", "queued_prefill_s", "recent", "recent_at")
+    __slots__ = ("engine_waiting", "inflight", "prefilling", "queued_prefill_s", "recent", "recent_at")
 
     def __init__(self) -> None:
         self.inflight = 0
+        self.prefilling = 0
         self.queued_prefill_s = 0.0
         self.recent = 0.0
         self.recent_at = 0.0
@@ -76,15 +77,15 @@ class LocalLoadBoard:
         out = []
         for name in names:
             c = self._get(name)
-            out.append(
-                WorkerLoad(name, c.inflight, max(c.queued_prefill_s, 0.0), self._recent(c, now), c.engine_waiting, costs.get(name))
-            )
+            queued = max(c.queued_prefill_s, 0.0)
+            out.append(WorkerLoad(name, c.inflight, queued, self._recent(c, now), c.engine_waiting, costs.get(name), c.prefilling))
         return out
 
     def acquire(self, worker: str, prefill_s: float) -> Ticket:
         now = self._clock()
         c = self._get(worker)
         c.inflight += 1
+        c.prefilling += 1
         c.queued_prefill_s += prefill_s
         c.recent = self._recent(c, now) + 1.0
         c.recent_at = now
@@ -97,6 +98,7 @@ class LocalLoadBoard:
         c = self._counts.get(ticket.worker)
         if c is not None:  # a worker forgotten meanwhile starts from zero
             c.queued_prefill_s -= ticket.prefill_s
+            c.prefilling -= 1
 
     def release(self, ticket: Ticket) -> None:
         if ticket.done:

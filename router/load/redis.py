@@ -38,10 +38,11 @@ LOADS_SCRIPT = Script("router.load", "loads.lua")
 
 
 class _Remote:
-    __slots__ = ("at", "inflight", "queued_prefill_s", "recent")
+    __slots__ = ("at", "inflight", "prefilling", "queued_prefill_s", "recent")
 
     def __init__(self, at: float) -> None:
         self.inflight = 0
+        self.prefilling = 0
         self.queued_prefill_s = 0.0
         self.recent = 0.0
         self.at = at
@@ -102,7 +103,7 @@ class RedisLoadBoard(LocalLoadBoard):
         for name, c in self._counts.items():
             recent = self._recent(c, now)
             if c.inflight or c.queued_prefill_s > 1e-9 or recent > 1e-6:
-                counts[name] = [c.inflight, max(c.queued_prefill_s, 0.0), recent]
+                counts[name] = [c.inflight, max(c.queued_prefill_s, 0.0), recent, c.prefilling]
         return orjson.dumps(counts)
 
     async def sync(self) -> bool:
@@ -123,13 +124,14 @@ class RedisLoadBoard(LocalLoadBoard):
         now = self._clock()
         remote: dict[str, _Remote] = {}
         for raw in others:
-            for name, (inflight, queued, recent) in orjson.loads(raw).items():
+            for name, (inflight, queued, recent, *rest) in orjson.loads(raw).items():
                 r = remote.get(name)
                 if r is None:
                     r = remote[name] = _Remote(now)
                 r.inflight += int(inflight)
                 r.queued_prefill_s += float(queued)
                 r.recent += float(recent)
+                r.prefilling += int(rest[0]) if rest else 0  # a replica of an earlier version sends three
         self._remote = remote
         self.replicas = 1 + len(others)
         self._synced_at = now
@@ -160,12 +162,13 @@ class RedisLoadBoard(LocalLoadBoard):
         for name in names:
             c = self._get(name)
             r = self._remote.get(name)
-            inflight, queued, recent = c.inflight, c.queued_prefill_s, self._recent(c, now)
+            inflight, queued, recent, prefilling = c.inflight, c.queued_prefill_s, self._recent(c, now), c.prefilling
             if r is not None:
                 inflight += r.inflight
                 queued += r.queued_prefill_s
                 recent += r.recent * math.exp(-self._decay * (now - r.at))
-            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting, costs.get(name)))
+                prefilling += r.prefilling
+            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting, costs.get(name), prefilling))
         return out
 
     def acquire(self, worker: str, prefill_s: float) -> Ticket:

@@ -25,6 +25,15 @@ less queued prefill than one engine step, and nothing waiting in the engine. Abo
 caps apply as before, and requests that no worker holds as a conversation (new sessions
 on a hot system prompt) are spread by the recent cap at any load.
 
+Both caps stand in for load the policy cannot price: bursts and sequential traffic that
+queue nothing yet. Once the fleet's queues are visible (their mean queued prefill is at
+least one engine step), the policy prices load directly (each candidate's queued prefill,
+and the delay a placement's prefill imposes on the requests queued there), and the caps
+are lifted: under sustained load they forced conversations off the worker holding them,
+onto workers with seconds more queue, to recompute prefixes of up to 50k tokens (issue 13:
+29 of the 151 moves on the Mooncake conversation trace). At low load, where nothing
+queues, they spread hot prefixes as before.
+
 Heterogeneous fleets (issue 15): the caps are shares of the fleet's load, and a worker twice
 as fast serves twice the share. When every candidate carries its learned cost model
 (`WorkerLoad.cost`), each worker's caps are scaled by its speed relative to the fleet's
@@ -53,14 +62,18 @@ def within_bounds(
     """Workers whose load, counting the request being placed, stays under the caps.
 
     `homes`: the workers holding the conversation being placed; each is exempt from the
-    recent cap while it is quiet (see the module docstring; `quiet_prefill_s` is one engine
-    step, `CostModel.step_s`; the default 0 exempts nobody).
+    recent cap while it is quiet (see the module docstring). `quiet_prefill_s` is one engine
+    step, `CostModel.step_s`: the queued prefill below which a worker is quiet, and at or
+    above which (as the fleet's mean) the caps are lifted; the default 0 does neither.
     """
     n = len(loads)
     share = speed_shares(loads)
     inflight_mean = (sum(w.inflight for w in loads) + 1) / n
     least_inflight = min(w.inflight for w in loads)
     recent_mean = (sum(w.recent for w in loads) + 1) / n
+    # Load the queues show is priced by the policy: the caps stand in for it only while the
+    # fleet's queues are negligible (see the module docstring).
+    queues_visible = quiet_prefill_s > 0 and sum(w.queued_prefill_s for w in loads) / n >= quiet_prefill_s
 
     def quiet_home(w: WorkerLoad) -> bool:
         return (
@@ -74,6 +87,8 @@ def within_bounds(
         f = share.get(w.name, 1.0)
         busy = w.inflight + 1 > load_factor * inflight_mean * f + 1 and w.inflight + 1 - least_inflight > abs_slack
         recent_cap = (1 + 2 * (load_factor - 1)) * recent_mean * f + 1
+        if queues_visible:
+            return False
         return busy or (w.recent + 1 > recent_cap and not quiet_home(w))
 
     eligible = [w for w in loads if not over(w)]

@@ -18,6 +18,16 @@ worker holding most of its prefix only for a predicted gain of more than one eng
 (`CostModel.step_s`): smaller differences are noise in the router's view of the queues, and
 moving duplicates the conversation's KV on a second worker.
 
+A placement also delays others: its prefill holds up every request that queues behind it
+on that worker, about as many as are queued there now (Little's law: requests waiting =
+arrival rate × wait). So a candidate's score adds its prefill of this request times the
+requests waiting there for their first byte (`WorkerLoad.prefilling`). With no queues this
+is zero and the score is the request's own TTFT; under load, recomputing a conversation on
+a less busy worker must save more than the work it adds to that worker's queue, which is
+what a single request's TTFT does not see (issue 13: on the Mooncake conversation trace,
+greedy TTFT moved 151 of 193 continuing conversations and reused half of what the peers
+did; the fleet paid for the recomputes in queueing).
+
 A conversation's home is a worker holding the prompt of its previous turn: while that
 worker's queues are negligible the recent-count cap does not move the conversation
 (`bounded.within_bounds`), however much of the recent traffic is the conversation's own.
@@ -75,8 +85,10 @@ class CacheAwarePolicy:
             gpu = gpu_of[w.name]
             # The worker's own learned costs where there are some (a slower GPU prices higher).
             prefill, ttft = (w.cost or cost).predicted_ttft_s(w, gpu, pool, total)
+            # What the placement costs the others: its prefill delays the requests that will
+            # queue behind it there, about as many as queue there now (Little's law).
             # Hysteresis: leaving the worker that holds most of the prefix must win a step.
-            score = ttft + (cost.step_s if gpu < most_cached else 0.0)
+            score = ttft + prefill * w.prefilling + (cost.step_s if gpu < most_cached else 0.0)
             scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, pool, prefill, ttft, w.name in eligible, w)))
         scores.sort()  # best first (see CandidateScore)
 

@@ -60,6 +60,7 @@ async def test_replicas_see_each_others_requests(boards) -> None:
     got = loads_of(b, "w0", "w1")
     assert got["w0"][0] == 3 and got["w0"][1] == pytest.approx(1.5)
     assert got["w1"][0] == 1 and got["w1"][1] == pytest.approx(0.25)
+    assert [w.prefilling for w in b.snapshot(["w0", "w1"])] == [3, 1]  # none has a first byte yet
     assert b.inflight("w0") == 3 and b.local_inflight("w0") == 0
     # The other direction, after a's next sync.
     assert await a.sync()
@@ -70,6 +71,7 @@ async def test_replicas_see_each_others_requests(boards) -> None:
     assert await a.sync() and await b.sync()
     got = loads_of(b, "w0")
     assert got["w0"][0] == 2 and got["w0"][1] == pytest.approx(0.5)
+    assert b.snapshot(["w0"])[0].prefilling == 1  # one answering, one released, one waiting
     for t in ta:
         a.release(t)
     b.release(tb)

@@ -77,7 +77,7 @@ def test_cache_aware_overload_spills_the_hot_worker() -> None:
 def test_cache_aware_decision_carries_the_prices_it_ranked_by() -> None:
     c = chain("x" * 8000, "y" * 40)
     view = IndexView({"a": 3, "b": 1, POOL: 2})
-    state = {"a": {"recent": 10.0}, "b": {"inflight": 2, "queued_prefill_s": 0.03}, "c": {"recent": 1.0}}
+    state = {"a": {"recent": 10.0}, "b": {"inflight": 2, "queued_prefill_s": 0.01, "prefilling": 1}, "c": {"recent": 1.0}}
     candidates = loads("a", "b", "c", **state)
     d = make_policy("cache_aware").choose(RouteRequest(c), view, candidates, COST)
     assert sorted(s.worker for s in d.scores) == ["a", "b", "c"]
@@ -87,8 +87,10 @@ def test_cache_aware_decision_carries_the_prices_it_ranked_by() -> None:
         gpu, pool = c.tokens_at_depth(view.depth(load.name)), c.tokens_at_depth(view.depth(POOL))
         assert (s.gpu_tokens, s.pool_tokens, s.load, s.within_bound) == (gpu, pool, load, load.name in eligible)
         assert (s.prefill_s, s.ttft_s) == COST.predicted_ttft_s(load, gpu, pool, c.total_tokens)
-        # Hysteresis: only the worker holding most of the prefix is ranked at its bare TTFT.
-        assert s.score_s == pytest.approx(s.ttft_s + (0 if load.name == "a" else COST.step_s))
+        # The delay its prefill adds to the requests queued there, and the hysteresis: only
+        # the worker holding most of the prefix is ranked without a step added.
+        others = s.prefill_s * load.prefilling
+        assert s.score_s == pytest.approx(s.ttft_s + others + (0 if load.name == "a" else COST.step_s))
     chosen = next(s for s in d.scores if s.within_bound)
     assert (d.worker, d.prefill_s, d.reason) == (chosen.worker, chosen.prefill_s, "overload")
     assert not next(s for s in d.scores if s.worker == "a").within_bound
@@ -106,6 +108,37 @@ def test_new_sessions_spread_when_nothing_is_cached() -> None:
         counts[d.worker] += 1
         recent[d.worker] += 1
     assert counts == {"a": 10, "b": 10, "c": 10}
+
+
+def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> None:
+    """Recomputing a conversation on a less busy worker must save more than the prefill it
+    adds to that worker's queue: greedy TTFT alone moves it (issue 13)."""
+    document, question = "x" * 40_000, "y" * 4_000
+    c = chain(document, question)
+    view = IndexView({"a": len(chain(document))})  # a holds the document (10k tokens)
+    policy = make_policy("cache_aware")
+
+    def place(a_waiting: int, b_waiting: int) -> str:
+        state = {"a": {"queued_prefill_s": 0.4, "prefilling": a_waiting}, "b": {"queued_prefill_s": 0.05, "prefilling": b_waiting}}
+        return policy.choose(RouteRequest(c), view, loads("a", "b", **state), COST).worker
+
+    # b's queue is shorter by more than the recompute: this request alone is first on b...
+    assert place(0, 0) == "b"
+    # ...but a prompt queued on b would wait another 11k tokens' prefill behind it.
+    assert place(3, 1) == "a"
+    # Where the holder's queue is the longer in requests too, the move still pays.
+    assert place(12, 1) == "b"
+
+
+def test_caps_are_lifted_once_the_fleet_queues() -> None:
+    """The caps stand in for load nothing prices yet; queues the policy prices end them."""
+    step = COST.step_s
+    skewed = {"a": {"recent": 8.0, "inflight": 9}, "b": {"recent": 2.0}}
+    assert [w.name for w in within_bounds(loads("a", "b", "c", **skewed), quiet_prefill_s=step)] == ["b", "c"]
+    queued = {n: {**skewed.get(n, {}), "queued_prefill_s": step} for n in "abc"}
+    assert [w.name for w in within_bounds(loads("a", "b", "c", **queued), quiet_prefill_s=step)] == ["a", "b", "c"]
+    # Without the policy's step (the session policy prices nothing), the caps always apply.
+    assert [w.name for w in within_bounds(loads("a", "b", "c", **queued))] == ["b", "c"]
 
 
 def test_within_bounds_never_empty_and_caps_the_hot_worker() -> None:
