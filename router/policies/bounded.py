@@ -23,7 +23,7 @@ while its queues are negligible in the policy's own units: counting this request
 requests in flight than the absolute slack (an engine batches that many at almost no cost),
 less queued prefill than one engine step, and nothing waiting in the engine. Above that the
 caps apply as before, and requests that no worker holds as a conversation (new sessions
-on a hot system prompt) are spread by the recent cap at any load.
+on a hot system prompt) are spread by the recent cap however quiet the fleet.
 
 Both caps stand in for load the policy cannot price: bursts and sequential traffic that
 queue nothing yet. Once the fleet's queues are visible (their mean queued prefill is at
@@ -67,13 +67,14 @@ def within_bounds(
     above which (as the fleet's mean) the caps are lifted; the default 0 does neither.
     """
     n = len(loads)
+    # Load the queues show is priced by the policy: the caps stand in for it only while the
+    # fleet's queues are negligible (see the module docstring).
+    if quiet_prefill_s > 0 and sum(w.queued_prefill_s for w in loads) / n >= quiet_prefill_s:
+        return list(loads)
     share = speed_shares(loads)
     inflight_mean = (sum(w.inflight for w in loads) + 1) / n
     least_inflight = min(w.inflight for w in loads)
     recent_mean = (sum(w.recent for w in loads) + 1) / n
-    # Load the queues show is priced by the policy: the caps stand in for it only while the
-    # fleet's queues are negligible (see the module docstring).
-    queues_visible = quiet_prefill_s > 0 and sum(w.queued_prefill_s for w in loads) / n >= quiet_prefill_s
 
     def quiet_home(w: WorkerLoad) -> bool:
         return (
@@ -87,8 +88,6 @@ def within_bounds(
         f = share.get(w.name, 1.0)
         busy = w.inflight + 1 > load_factor * inflight_mean * f + 1 and w.inflight + 1 - least_inflight > abs_slack
         recent_cap = (1 + 2 * (load_factor - 1)) * recent_mean * f + 1
-        if queues_visible:
-            return False
         return busy or (w.recent + 1 > recent_cap and not quiet_home(w))
 
     eligible = [w for w in loads if not over(w)]

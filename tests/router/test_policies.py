@@ -122,11 +122,12 @@ def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> Non
         state = {"a": {"queued_prefill_s": 0.4, "prefilling": a_waiting}, "b": {"queued_prefill_s": 0.05, "prefilling": b_waiting}}
         return policy.choose(RouteRequest(c), view, loads("a", "b", **state), COST).worker
 
-    # b's queue is shorter by more than the recompute: this request alone is first on b...
+    # With nothing queued, b's shorter queue outweighs the recompute: greedy TTFT moves it.
     assert place(0, 0) == "b"
-    # ...but a prompt queued on b would wait another 11k tokens' prefill behind it.
+    # With requests queued, each waits behind the placement's prefill: the 11k-token
+    # recompute on b costs more than a's 1k new tokens three times over.
     assert place(3, 1) == "a"
-    # Where the holder's queue is the longer in requests too, the move still pays.
+    # Where many more wait on the holder, the move still pays.
     assert place(12, 1) == "b"
 
 
