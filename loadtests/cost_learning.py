@@ -27,6 +27,7 @@ import httpx
 
 from loadtests.harness import RequestRecord, parse_prometheus
 from loadtests.sim.costs import CostModel
+from loadtests.traces import ENGINE_TOKEN_BUDGET, ideal_ttft_s
 from loadtests.workload import Workload, session_tokens
 
 COST_VARIANTS = ("learned", "exact", "static")
@@ -202,18 +203,6 @@ def _speed_of(name: str, speeds: Sequence[float] | None) -> float:
     return speeds[i] if i < len(speeds) else 1.0
 
 
-def ideal_ttft_s(cached: int, prompt: int, cost: CostModel, max_batched_tokens: int = 8192) -> float:
-    """Prefill of `prompt` tokens with `cached` held, on an idle simulated worker (chunked
-    steps; the engine recomputes at least the last block)."""
-    start = min(cached, (prompt - 1) // 16 * 16)
-    ttft = 0.0
-    while start < prompt:
-        end = min(start + max_batched_tokens, prompt)
-        ttft += cost.step_s([(start, end)], [])
-        start = end
-    return ttft
-
-
 def ideal_floor(workload: Workload, records: Sequence[RequestRecord], cost: CostModel) -> dict[str, Any]:
     """Mean ideal TTFT of the measured requests: each reuses its conversation's previous
     prompt (its first turn, the group's shared prefix), perfectly, on an idle worker."""
@@ -231,7 +220,7 @@ def ideal_floor(workload: Workload, records: Sequence[RequestRecord], cost: Cost
             continue
         prompt = toks.prompts[r.turn]
         held = toks.prompts[r.turn - 1] if r.turn > 0 else toks.shared
-        floors.append(ideal_ttft_s(min(held, prompt), prompt, cost))
+        floors.append(ideal_ttft_s(min(held, prompt), prompt, cost, ENGINE_TOKEN_BUDGET))
     return {"requests": len(floors), "mean_s": sum(floors) / len(floors) if floors else None}
 
 
