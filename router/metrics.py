@@ -322,14 +322,17 @@ class TenantMetrics:
     def first_byte(self, tenant: Tenant | None, seconds: float) -> None:
         self.ttft.observe(seconds, self.label(tenant))
 
-    def generated_in(self, tenant: Tenant | None, data: bytes) -> int:
+    def generated_in(self, tenant: Tenant | None, data: bytes, streamed_tokens: int = 0) -> int:
         """Count the generated tokens a whole answer, or a stream's last chunks, report
-        (and return them: the tenant's token limit is charged them too)."""
+        (and return them: the tenant's token limit is charged them too). A chat or
+        completions stream carries usage only if its client asked for it
+        (`stream_options.include_usage`); without it, `streamed_tokens`, the relay's count
+        of the stream's token events, stands in, so that leaving usage out does not slip
+        past a tenant's token limit."""
         found = _USAGE_OUT.findall(data)
-        if not found:
-            return 0
-        tokens = int(found[-1])
-        self.generated_tokens.inc(self.label(tenant), amount=tokens)
+        tokens = int(found[-1]) if found else max(streamed_tokens, 0)
+        if tokens:
+            self.generated_tokens.inc(self.label(tenant), amount=tokens)
         return tokens
 
     def rejected(self, tenant: Tenant | None, reason: str) -> None:

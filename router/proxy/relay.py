@@ -56,6 +56,18 @@ async def send_whole(send: Any, status: int, headers: Headers, body: bytes) -> N
 
 _FIRST_OUTPUT = b"response.output_item.added"
 """The Responses stream event that comes with the first generated token."""
+_COUNTED_KINDS = frozenset({"chat", "completion"})
+"""Streams whose usage is the client's option: their token events are counted."""
+
+
+def token_events(chunk: bytes) -> int:
+    """Generated tokens in a chat or completions stream's chunk, without parsing it: vLLM
+    streams a token an event; the events that carry none (the role's, an empty finish)
+    have an empty delta or text. Byte counts in C: a few hundred ns a chunk. An event split
+    across two reads (rare: events are small and sent whole) may go uncounted."""
+    return (
+        chunk.count(b"data: {") - chunk.count(b'"content":""') - chunk.count(b'"text":""') - chunk.count(b'"delta":{}')
+    )
 
 
 async def relay_stream(
@@ -70,6 +82,9 @@ async def relay_stream(
     idle = proxy.settings.idle_timeout_s
     tail = b""
     last = previous = first  # usage arrives in the last chunks: per-tenant generated tokens
+    # Without usage (the client did not ask for it) the token events stand in for it.
+    counting = metrics.tenants is not None and ex.kind in _COUNTED_KINDS
+    streamed = token_events(first) if counting else 0
     try:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
@@ -88,6 +103,8 @@ async def relay_stream(
                 proxy.loads.first_byte(attempt.ticket)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             previous, last = last, chunk
+            if counting:
+                streamed += token_events(chunk)
             if learner is not None:
                 learner.feed(chunk)
     except asyncio.CancelledError:
@@ -112,7 +129,9 @@ async def relay_stream(
         tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
     if metrics.tenants is not None and not tail:
-        ex.generated = metrics.tenants.generated_in(ex.tenant, previous + last if previous is not last else last)
+        ex.generated = metrics.tenants.generated_in(
+            ex.tenant, previous + last if previous is not last else last, streamed
+        )
     if learner is not None:
         await learner.settle()
     if not tail and attempt.first_byte_s is not None:

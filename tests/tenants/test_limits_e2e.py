@@ -29,6 +29,7 @@ tenants:
   slow: {keys: [sk-slow], limits: {requests_per_s: 0.1}}
   pair: {keys: [sk-pair], limits: {requests_per_s: 0.2}}
   thrifty: {keys: [sk-thrifty], limits: {tokens_per_min: 100}}
+  chatty: {keys: [sk-chatty], limits: {tokens_per_min: 100}}
   single: {keys: [sk-single], limits: {concurrent: 1}}
   free: {keys: [sk-free]}
   heavy: {keys: [sk-heavy]}
@@ -97,6 +98,23 @@ def test_over_each_limit_429_in_the_endpoints_shape(tenants_file: Path) -> None:
     assert 'kvroute_tenant_rejected_total{tenant="slow",reason="rate"} 2' in metrics
     assert 'kvroute_tenant_rejected_total{tenant="thrifty",reason="tokens"} 2' in metrics
     assert 'tenant="free",reason=' not in metrics
+
+
+def test_a_stream_without_usage_is_charged_its_generated_tokens(tenants_file: Path) -> None:
+    """A chat stream carries usage only if its client asks for it: without it, the
+    tenant's token limit is charged the stream's token events, not nothing."""
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    auth = {"authorization": "Bearer sk-chatty"}
+    behaviour = UpstreamBehaviour(chunks=150)  # 150 content events, no usage
+    with RecordingUpstream(behaviour=behaviour) as up, RouterProcess({"w": up.url}, extra_args=["--tenants", str(tenants_file)]) as r:
+        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, headers=auth, timeout=30) as resp:
+            assert resp.status_code == 200
+            events = [line for line in resp.iter_lines() if line.startswith("data: {")]
+        assert len(events) == 150 and not any('"usage"' in e for e in events)  # relayed as sent
+        # 150 generated tokens against a bucket of 100: the tenant is in debt.
+        assert_limited(chat(r.url, "sk-chatty"), "tokens_per_min")
+        metrics = r.metrics()
+    assert 'kvroute_tenant_generated_tokens_total{tenant="chatty"} 150' in metrics
 
 
 def in_flight_then_disconnect(url: str, key: str, up: RecordingUpstream) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
 from router.proxy.fair import Activity, FairQueue, FifoQueue, Flow, may_take_slot, reserved_slots
@@ -336,3 +337,23 @@ def test_a_waiter_queued_beside_a_free_slot_it_may_take_is_handed_it_at_once(loo
         assert not adm.busy(Flow("x"))
 
     loop.run_until_complete(scenario())
+
+
+def test_token_events_count_a_vllm_chat_stream_s_tokens() -> None:
+    from router.proxy.relay import token_events
+
+    def event(delta: dict, finish: str | None = None) -> bytes:
+        chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    # As vLLM streams chat: the role with empty content, a token an event, an empty finish.
+    stream = event({"role": "assistant", "content": ""}) + b"".join(event({"content": f"t{i}"}) for i in range(7))
+    stream += event({}, "stop") + b"data: [DONE]\n\n"
+    assert token_events(stream) == 7
+    # Read an event at a time, or several coalesced, the counts add up the same.
+    pieces = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    assert sum(token_events(p) for p in pieces) == 7
+    assert token_events(b"".join(pieces[:3])) + token_events(b"".join(pieces[3:])) == 7
+    # Completions: a token an event, its text.
+    text = b"".join(b'data: {"choices":[{"index":0,"text":"' + w + b'"}]}\n\n' for w in (b"a", b"b", b""))
+    assert token_events(text) == 2
