@@ -322,7 +322,8 @@ async def _measure(
     summary["queues"] = queues.summary()
     if costs is not None and costs.samples:
         summary["cost_learning"] = cost_learning.learning_summary(
-            costs.samples, build_cost_model(setup.profile), setup.time_scale, setup.speeds, setup.speed_changes
+            costs.samples, build_cost_model(setup.profile), setup.time_scale, setup.speeds, setup.speed_changes,
+            measured_from_s=getattr(workload, "warmup_s", 0.0),
         )
         summary["cost_samples"] = costs.samples
     if not isinstance(workload, traces.Trace):

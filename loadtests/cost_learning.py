@@ -103,9 +103,11 @@ async def apply_speed_changes(changes: Sequence[SpeedChange], urls: dict[str, st
 
 
 class CostSampler:
-    """The router's learned coefficients per worker, every `interval_s` simulated seconds."""
+    """The router's learned coefficients per worker, and the requests it has routed, every
+    `interval_s` simulated seconds (a few dozen requests at a seed load: convergence is then
+    stated to within that many)."""
 
-    def __init__(self, client: httpx.AsyncClient, router_url: str, time_scale: float, interval_s: float = 5.0) -> None:
+    def __init__(self, client: httpx.AsyncClient, router_url: str, time_scale: float, interval_s: float = 2.0) -> None:
         self.client = client
         self.url = router_url + "/metrics"
         self.time_scale = time_scale
@@ -123,8 +125,14 @@ class CostSampler:
             workers.setdefault(labels.get("worker", "?"), {})[labels.get("coefficient", "?")] = value
         for labels, value in parsed.get("kvroute_cost_observations_total", []):
             workers.setdefault(labels.get("worker", "?"), {})["observations"] = value
+        # log2(observed / predicted) dispatch-to-first-byte, summed so far: the model's bias.
+        for suffix in ("sum", "count"):
+            for labels, value in parsed.get(f"kvroute_ttft_prediction_error_log2_{suffix}", []):
+                if labels.get("worker") in workers:
+                    workers[labels["worker"]][f"prediction_error_log2_{suffix}"] = value
+        routed = sum(value for _, value in parsed.get("kvroute_requests_total", []))
         if workers:
-            self.samples.append({"t_sim_s": round(t_sim, 2), "workers": workers})
+            self.samples.append({"t_sim_s": round(t_sim, 2), "routed": routed, "workers": workers})
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -153,11 +161,13 @@ def _learned_marginal(coeffs: dict[str, float], context: int, time_scale: float)
 
 def learning_summary(
     samples: list[dict[str, Any]], cost: CostModel, time_scale: float, speeds: Sequence[float] | None,
-    changes: Sequence[SpeedChange] = (), tolerance: float = 0.15,
+    changes: Sequence[SpeedChange] = (), tolerance: float = 0.15, measured_from_s: float = 0.0,
 ) -> dict[str, Any]:
     """Learned ÷ simulated marginal prefill cost per worker at 4k and 16k context: at the
-    end of the run, and the first sample (simulated second, observations) from which it
-    stays within `tolerance` (after the last speed change of that worker, if any)."""
+    end of the run, and the first sample (simulated second, requests the router had routed,
+    the worker's observations) from which it stays within `tolerance` (after the last speed
+    change of that worker, if any); and the mean log2(observed ÷ predicted TTFT) of the
+    requests answered from `measured_from_s` on (the warm-up's, priced by the prior, left out)."""
     out: dict[str, Any] = {}
     if not samples:
         return out
@@ -172,17 +182,17 @@ def learning_summary(
         for ctx in CONTEXTS:
             truth = cost.marginal_prefill_s(ctx) / final_speed
             series = [
-                (s["t_sim_s"], s["workers"].get(name, {}).get("observations", 0.0),
+                (s["t_sim_s"], s.get("routed"), s["workers"].get(name, {}).get("observations", 0.0),
                  _learned_marginal(s["workers"].get(name, {}), ctx, time_scale))
                 for s in samples
             ]  # fmt: skip
-            last = series[-1][2]
+            last = series[-1][3]
             ratios_end[str(ctx)] = last / truth if last is not None else None
             first_ok = None
-            for t, obs, v in series:
+            for t, routed, obs, v in series:
                 inside = v is not None and abs(v / truth - 1) <= tolerance
                 if (t >= since or t < 0) and inside:
-                    first_ok = first_ok or {"t_sim_s": t, "observations": obs}
+                    first_ok = first_ok or {"t_sim_s": t, "routed": routed, "observations": obs}
                 elif t >= since:
                     first_ok = None
             converged[str(ctx)] = first_ok
@@ -191,9 +201,18 @@ def learning_summary(
             "learned_over_sim_marginal": ratios_end,
             "within_tolerance_from": converged,
             "observations": samples[-1]["workers"][name].get("observations"),
+            "prediction_error_log2_mean": _mean_error_since(samples, name, measured_from_s),
             "coefficients": samples[-1]["workers"][name],
         }
     return out
+
+
+def _mean_error_since(samples: list[dict[str, Any]], name: str, since_s: float) -> float | None:
+    start = next((s for s in samples if s["t_sim_s"] >= since_s), samples[0])["workers"].get(name, {})
+    end = samples[-1]["workers"].get(name, {})
+    n = end.get("prediction_error_log2_count", 0.0) - start.get("prediction_error_log2_count", 0.0)
+    total = end.get("prediction_error_log2_sum", 0.0) - start.get("prediction_error_log2_sum", 0.0)
+    return total / n if n > 0 else None
 
 
 def _speed_of(name: str, speeds: Sequence[float] | None) -> float:
@@ -253,7 +272,9 @@ def markdown_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
         for worker, w in sorted(learned.items()):
             ratios = w["learned_over_sim_marginal"]
             shown = "/".join(f"{v:.2f}" if v is not None else "–" for v in ratios.values())
-            parts.append(f"{worker} ×{w['speed']:g}: {shown} ({w['observations']:.0f} obs)")
+            error = w.get("prediction_error_log2_mean")
+            bias = f", TTFT observed ÷ predicted {2**error:.2f} (geometric mean)" if error is not None else ""
+            parts.append(f"{worker} ×{w['speed']:g}: {shown} ({w['observations']:.0f} obs{bias})")
         if parts:
             text += "; learned ÷ simulated prefill cost per token at 4k/16k: " + ", ".join(parts)
         lines.append(text)

@@ -239,3 +239,32 @@ def test_cost_variants_speeds_and_speed_changes_parse() -> None:
     assert (change.worker, change.speed, change.at_s) == ("w3", 0.5, 120.0)
     with pytest.raises(ValueError):
         parse_speed_changes("w3=0.5")
+
+
+def test_learned_costs_converge_from_the_first_sample_that_stays_within_tolerance() -> None:
+    from loadtests.cost_learning import learning_summary
+    from loadtests.sim.costs import build_cost_model
+
+    cost = build_cost_model("h200-qwen2.5-72b-tp8")
+    scale = 2.0  # router seconds per simulated second
+    # A learned model with no context growth, exact at 4k: off by the profile's growth at 16k.
+    base_4k = cost.marginal_prefill_s(4096) * scale
+
+    def sample(t: float, routed: float, factor: float, error_sum: float, answered: float) -> dict:
+        w0 = {"prefill_base_s": base_4k * factor, "prefill_ctx_s": 0.0, "observations": t,
+              "prediction_error_log2_sum": error_sum, "prediction_error_log2_count": answered}  # fmt: skip
+        return {"t_sim_s": t, "routed": routed, "workers": {"w0": w0}}
+
+    samples = [
+        sample(2, 40, 1.5, 30.0, 10), sample(4, 90, 1.0, 31.0, 40), sample(6, 130, 1.3, 32.0, 80),
+        sample(8, 170, 1.05, 33.0, 120), sample(-1, 200, 1.0, 34.0, 160),
+    ]  # fmt: skip
+    summary = learning_summary(samples, cost, scale, speeds=None, measured_from_s=4)["w0"]
+    # The 40 answers of the warm-up (31 log2 units off in all) are left out of the bias.
+    assert summary["prediction_error_log2_mean"] == pytest.approx(3.0 / 120)
+    # 4k: inside at 4 s, out at 6 s, inside again from 8 s: convergence counts from 8 s.
+    assert summary["within_tolerance_from"]["4096"] == {"t_sim_s": 8, "routed": 170, "observations": 8}
+    assert summary["learned_over_sim_marginal"]["4096"] == pytest.approx(1.0)
+    growth = cost.marginal_prefill_s(16384) / cost.marginal_prefill_s(4096)
+    assert summary["learned_over_sim_marginal"]["16384"] == pytest.approx(1 / growth)
+    assert growth > 1.2 and summary["within_tolerance_from"]["16384"] is None
