@@ -227,7 +227,16 @@ def build_services(
     # With tenants the wait queue serves them by weighted fair share (router/proxy/fair.py).
     admission = config.overload.admission(fair=tenants.enabled)
     client = health_client or _health_client(config)
-    fleet = config.health.fleet(config.workers, client, on_down=index.drop_location, breaker=config.breaker)
+    def forget(worker: str) -> None:
+        # A removed worker's counts and learned costs would otherwise stay (and its
+        # coefficients stay on /metrics) for every pod a Kubernetes rollout replaces.
+        loads.forget(worker)
+        if calibrator is not None:
+            calibrator.forget(worker)
+
+    fleet = config.health.fleet(
+        config.workers, client, on_down=index.drop_location, on_removed=forget, breaker=config.breaker
+    )
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
     # With tenants, every request carries its cache scope's salt (router/tenants/salt.py).

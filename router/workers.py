@@ -96,11 +96,12 @@ class HealthSettings:
         client: httpx.AsyncClient,
         *,
         on_down: Callable[[str], Awaitable[None]] | None = None,
+        on_removed: Callable[[str], None] | None = None,
         breaker: BreakerSettings | None = None,
     ) -> Fleet:
         return Fleet(
             specs, client, health_interval_s=self.interval_s, unhealthy_after=self.unhealthy_after,
-            scrape_metrics=self.scrape_metrics, on_down=on_down, breaker=breaker,
+            scrape_metrics=self.scrape_metrics, on_down=on_down, on_removed=on_removed, breaker=breaker,
         )
 
 
@@ -115,8 +116,12 @@ class Fleet:
         unhealthy_after: int = 2,
         scrape_metrics: bool = False,
         on_down: Callable[[str], Awaitable[None]] | None = None,
+        on_removed: Callable[[str], None] | None = None,
         breaker: BreakerSettings | None = None,
     ) -> None:
+        """`on_down(name)`: a worker went down or was removed (its index entries go).
+        `on_removed(name)`: it was removed for good (what the router learnt of it goes too:
+        its load counts and learned costs, which a worker only down keeps)."""
         self._client = client
         self.breaker_settings = breaker or BreakerSettings()
         self._workers: dict[str, Worker] = {}
@@ -125,6 +130,7 @@ class Fleet:
         self.unhealthy_after = unhealthy_after
         self.scrape_metrics = scrape_metrics
         self._on_down = on_down
+        self._on_removed = on_removed
         self._task: asyncio.Task | None = None
         self._checking: dict[str, asyncio.Task] = {}
         """Health checks in flight, by worker: at most one each."""
@@ -146,6 +152,8 @@ class Fleet:
             return False
         if self._on_down is not None:
             await self._on_down(name)
+        if self._on_removed is not None:
+            self._on_removed(name)
         return True
 
     def drain(self, name: str, draining: bool = True) -> bool:

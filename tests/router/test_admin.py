@@ -95,8 +95,16 @@ def test_add_and_remove_workers(fleet) -> None:
         assert resp.status_code == status and resp.json()["error"]["code"] == code, (body, resp.text)
     resp = httpx.post(r.url + "/admin/workers", headers=AUTH, content=b"[")
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+    # Streams teach the router c's costs (cost learning is on by default) ...
+    for _ in range(4):
+        httpx.post(r.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert 'kvroute_cost_observations_total{worker="c"}' in r.metrics()
     assert httpx.delete(r.url + "/admin/workers/c", headers=AUTH).json()["removed"]
     assert httpx.delete(r.url + "/admin/workers/c", headers=AUTH).status_code == 404
+    # ... which go with it, like its load counts.
+    assert 'worker="c"' not in "".join(
+        line for line in r.metrics().splitlines(keepends=True) if line.startswith("kvroute_cost_")
+    )
     served = {httpx.post(r.url + "/v1/chat/completions", json=CHAT).headers["x-kvroute-worker"] for _ in range(6)}
     assert served == {"a", "b"}
     assert 'kvroute_worker_healthy{worker="c"}' not in r.metrics()  # counters keep history; gauges go
