@@ -42,7 +42,7 @@ class AttemptFailed(Exception):
 
 
 class Attempt:
-    __slots__ = ("chunks", "first_byte_s", "probing", "proxy", "reason", "ticket", "upstream", "worker")
+    __slots__ = ("chunks", "first_byte_s", "probing", "proxy", "reason", "sent_at", "ticket", "upstream", "worker")
 
     def __init__(self, proxy: Proxy, worker: Worker, reason: str, prefill_s: float) -> None:
         """Claim `worker` for one try; its breaker has admitted the try (`begin()`)."""
@@ -55,7 +55,10 @@ class Attempt:
         self.upstream: UpstreamResponse | None = None
         self.chunks: AsyncIterator[bytes] | None = None
         self.first_byte_s: float | None = None
-        """Dispatch to the stream's first byte (its first token): what cost learning fits."""
+        """Dispatch to the stream's first token (its first byte; a Responses stream's first
+        output item, `relay_stream`): what cost learning fits."""
+        self.sent_at = 0.0
+        """When the request went to the worker (the event loop's clock)."""
 
     # -- outcomes -----------------------------------------------------------------------
     def first_byte(self, latency_s: float | None) -> None:
@@ -64,6 +67,12 @@ class Attempt:
         proxy.loads.first_byte(self.ticket)
         self.worker.breaker.success(latency_s)
         proxy.fleet.mark_ok(self.worker.name)
+
+    def prefilled(self, now: float) -> None:
+        """A Responses stream's first output item (its first token): its prefill leaves the
+        queue, and its time is what cost learning fits (its first byte came before prefill)."""
+        self.first_byte_s = now - self.sent_at
+        self.proxy.loads.first_byte(self.ticket)
 
     async def failed(self, why: str, passive_down: bool) -> None:
         """No first byte: the breaker and the metrics count a failure; a connection-level
@@ -97,7 +106,7 @@ class Attempt:
         s = proxy.settings
         deadlines = proxy.deadlines
         loop = asyncio.get_running_loop()
-        sent_at = loop.time()
+        sent_at = self.sent_at = loop.time()
         flight = deadlines.track(s.first_byte_timeout_s if ex.stream else (s.total_timeout_s or s.first_byte_timeout_s), s.total_timeout_s)
         try:
             # POST the payload and wait for the first body chunk of a stream, else the whole

@@ -68,11 +68,15 @@ _EMPTY_CHAIN = PrefixChain((), (), 0)
 # per request; as for CandidateScore in router/policies/cache_aware.py).
 _new_routed = tuple.__new__
 
-_LEARNED_KINDS = frozenset({"chat", "completion"})
-"""Streams whose first byte is their first token (a Responses or Messages stream opens with
-an event sent before any prefill)."""
+_LEARNED_KINDS = frozenset({"chat", "completion", "responses", "messages"})
+"""Streams the cost model learns from: their first token's time is known (the first byte;
+for Responses, which opens with `response.created` before any prefill, its first output
+item: `relay_stream`), and their usage says what the engine reused (`_cached_tokens`)."""
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_INPUT = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
+_CACHE_READ = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
+_CACHE_CREATION = re.compile(rb'"cache_creation_input_tokens"\s*:\s*(\d+)')
 
 _Outcome = Literal["answered", "full", "held", "exhausted"]
 """How one pass over a ranking ended: a worker answered; every worker left was at its
@@ -521,10 +525,22 @@ def _dispatch_of(choice: Routed, worker: str) -> Dispatch | None:
 
 
 def _cached_tokens(tail: bytes, total_tokens: int) -> int | None:
-    """The prompt tokens the engine reports it reused (`usage.prompt_tokens_details`), in
-    the router's token units (its estimate of the prompt's length may differ from the
-    engine's count); None if the stream carried no usage."""
-    cached, prompt = _CACHED.findall(tail), _PROMPT.findall(tail)
-    if not cached or not prompt or int(prompt[-1]) <= 0:
+    """The prompt tokens the engine reports it reused, in the router's token units (its
+    estimate of the prompt's length may differ from the engine's count); None if the stream
+    carried no usage. Chat and completions: `prompt_tokens_details.cached_tokens` of
+    `prompt_tokens`; Responses: `input_tokens_details.cached_tokens` of `input_tokens`;
+    Messages (vLLM, as Anthropic): `cache_read_input_tokens`, of `input_tokens` + those +
+    `cache_creation_input_tokens` (Anthropic's `input_tokens` leaves the cached ones out)."""
+    read = _CACHE_READ.findall(tail)
+    if read:
+        cached = int(read[-1])
+        creation = _CACHE_CREATION.findall(tail)
+        prompt = cached + sum(int(found[-1]) for found in (_INPUT.findall(tail), creation) if found)
+    else:
+        found_cached, found_prompt = _CACHED.findall(tail), _PROMPT.findall(tail) or _INPUT.findall(tail)
+        if not found_cached or not found_prompt:
+            return None
+        cached, prompt = int(found_cached[-1]), int(found_prompt[-1])
+    if prompt <= 0:
         return None
-    return round(int(cached[-1]) * total_tokens / int(prompt[-1]))
+    return round(min(cached, prompt) * total_tokens / prompt)

@@ -95,12 +95,12 @@ async def relay_stream(
         prefilling = ex.kind == "responses"
         if prefilling and _FIRST_OUTPUT in first:
             prefilling = False
-            proxy.loads.first_byte(attempt.ticket)
+            attempt.prefilled(loop.time())
         async for chunk in chunks:
             flight.extend(loop.time() + idle)
             if prefilling and _FIRST_OUTPUT in chunk:
                 prefilling = False
-                proxy.loads.first_byte(attempt.ticket)
+                attempt.prefilled(loop.time())
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             previous, last = last, chunk
             if counting:

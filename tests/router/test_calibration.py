@@ -143,3 +143,22 @@ def test_bounded_loads_give_a_faster_worker_its_share() -> None:
     assert {w.name for w in within_bounds(loads)} == {"fast", "slow1", "slow2"}
     blind = [replace(w, cost=None) for w in loads]  # without learned costs: the old cap
     assert {w.name for w in within_bounds(blind)} == {"slow1", "slow2"}
+
+
+def test_cached_tokens_are_read_from_each_api_s_usage() -> None:
+    from router.proxy.handler import _cached_tokens
+
+    chat = b'data: {"choices":[],"usage":{"prompt_tokens":1000,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":600}}}\n\n'
+    responses = (
+        b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":{"input_tokens":1000,'
+        b'"input_tokens_details":{"cached_tokens":600},"output_tokens":5}}}\n\n'
+    )
+    # Anthropic's input_tokens leaves out the tokens read from (and written to) the cache.
+    messages = (
+        b'event: message_delta\ndata: {"type":"message_delta","usage":{"input_tokens":300,'
+        b'"cache_creation_input_tokens":100,"cache_read_input_tokens":600,"output_tokens":5}}\n\n'
+    )
+    # In the router's units: its estimate of the prompt (here 2,000) scales the engine's count.
+    for tail in (chat, responses, messages):
+        assert _cached_tokens(tail, 2000) == 1200, tail
+    assert _cached_tokens(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', 2000) is None

@@ -62,6 +62,37 @@ def test_a_half_speed_worker_learns_twice_the_cost(router: Any, cluster: Any) ->
         assert route["cost_learning"] is True
 
 
+def test_agent_api_streams_teach_the_costs_too(cluster: Any) -> None:
+    """The Agents SDK streams `/v1/responses` (opened by `response.created` before any
+    prefill: timed at its first output item) and Anthropic clients `/v1/messages` (usage as
+    `cache_read_input_tokens`): a fleet serving only those learns each worker's cost."""
+    import anthropic
+    import openai
+
+    rng = random.Random(17)
+
+    def prompt() -> str:
+        return " ".join(f"w{rng.randrange(10**12):012d}" for _ in range(rng.randint(250, 3000)))
+
+    with RouterProcess(cluster.worker_urls, "round_robin") as r:
+        oai = openai.OpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
+        claude = anthropic.Anthropic(base_url=r.url, api_key="unused", max_retries=0)
+        for _ in range(24):
+            events = list(oai.responses.create(model=cluster.model, input=prompt(), max_output_tokens=2, stream=True))
+            assert events[-1].type == "response.completed"
+            with claude.messages.stream(model=cluster.model, max_tokens=2, messages=[{"role": "user", "content": prompt()}]) as stream:
+                assert stream.get_final_message().usage.output_tokens >= 1
+        with httpx.Client(base_url=r.url, trust_env=False, timeout=60) as client:
+            costs = learned(client)
+    assert costs["w0"]["observations"] >= 20 and costs["w1"]["observations"] >= 20
+
+    def per_token(w: str) -> float:
+        return costs[w]["prefill_base_s"] + costs[w]["prefill_ctx_s"] * 4096
+
+    # Timed from the Responses stream's first byte instead, both would look alike and cheap.
+    assert 1.4 < per_token("w1") / per_token("w0") < 2.8
+
+
 def test_cost_learning_off_keeps_the_static_costs(cluster: Any) -> None:
     with RouterProcess(cluster.worker_urls, "cache_aware", ["--cost-learning", "off"], env={"KVROUTE_ADMIN_TOKEN": TOKEN}) as r:
         with httpx.Client(base_url=r.url, trust_env=False, timeout=60) as client:
