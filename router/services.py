@@ -227,6 +227,7 @@ def build_services(
     # With tenants the wait queue serves them by weighted fair share (router/proxy/fair.py).
     admission = config.overload.admission(fair=tenants.enabled)
     client = health_client or _health_client(config)
+
     def forget(worker: str) -> None:
         # A removed worker's counts and learned costs would otherwise stay (and its
         # coefficients stay on /metrics) for every pod a Kubernetes rollout replaces.
