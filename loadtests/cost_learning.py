@@ -125,7 +125,7 @@ class CostSampler:
             workers.setdefault(labels.get("worker", "?"), {})[labels.get("coefficient", "?")] = value
         for labels, value in parsed.get("kvroute_cost_observations_total", []):
             workers.setdefault(labels.get("worker", "?"), {})["observations"] = value
-        # log2(observed / predicted) dispatch-to-first-byte, summed so far: the model's bias.
+        # log2(observed / predicted) dispatch-to-first-token, summed so far: the model's bias.
         for suffix in ("sum", "count"):
             for labels, value in parsed.get(f"kvroute_ttft_prediction_error_log2_{suffix}", []):
                 if labels.get("worker") in workers:

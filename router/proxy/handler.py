@@ -68,10 +68,6 @@ _EMPTY_CHAIN = PrefixChain((), (), 0)
 # per request; as for CandidateScore in router/policies/cache_aware.py).
 _new_routed = tuple.__new__
 
-_LEARNED_KINDS = frozenset({"chat", "completion", "responses", "messages"})
-"""Streams the cost model learns from: their first token's time is known (the first byte;
-for Responses, which opens with `response.created` before any prefill, its first output
-item: `relay_stream`), and their usage says what the engine reused (`_cached_tokens`)."""
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _INPUT = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
@@ -299,11 +295,14 @@ class Proxy:
         return self.affinity.learner(ex.body, worker, choice.chain.total_tokens, prior)
 
     def learn_cost(self, ex: Exchange, worker: str, first_byte_s: float, tail: bytes) -> None:
-        """A stream answered on `worker`, its first byte `first_byte_s` after dispatch, its
-        usage in `tail`: record the prediction error and feed the worker's cost model."""
+        """A stream answered on `worker`, its first token `first_byte_s` after dispatch (the
+        first byte; a Responses stream's first output item, `relay_stream`), its usage in
+        `tail`: record the prediction error and feed the worker's cost model. Every API's
+        streams teach it (`_cached_tokens` reads each one's usage); requests of no kind
+        (embeddings, rerank) have no prefill to learn from."""
         choice = ex.choice
-        if choice is None or ex.kind not in _LEARNED_KINDS or choice.decision.worker != worker:
-            return  # a retry went elsewhere than the decision priced
+        if choice is None or ex.kind is None or choice.decision.worker != worker:
+            return  # or a retry went elsewhere than the decision priced
         dispatch = _dispatch_of(choice, worker)
         if dispatch is None:
             return

@@ -128,15 +128,14 @@ async def relay_stream(
         attempt.interrupted("stream broken")
         tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
+    usage = previous + last if previous is not last else last  # usage is in the last chunks
     if metrics.tenants is not None and not tail:
-        ex.generated = metrics.tenants.generated_in(
-            ex.tenant, previous + last if previous is not last else last, streamed
-        )
+        ex.generated = metrics.tenants.generated_in(ex.tenant, usage, streamed)
     if learner is not None:
         await learner.settle()
     if not tail and attempt.first_byte_s is not None:
-        # The usage (cached tokens) is in the last chunks: what this answer teaches the cost model.
-        proxy.learn_cost(ex, attempt.worker.name, attempt.first_byte_s, previous + last if previous is not last else last)
+        # The usage (cached tokens) is what this answer teaches the cost model.
+        proxy.learn_cost(ex, attempt.worker.name, attempt.first_byte_s, usage)
     ex.finished = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
