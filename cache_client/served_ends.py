@@ -48,16 +48,21 @@ when it sends it to a worker, in estimate and precise mode alike (precise mode f
 index from KV events, but only the router knows which prompt it sent where). `lookup`
 never writes, so a `/debug/route` dry run leaves later decisions as they were.
 
-The memory is this router's own (bounded, oldest entries dropped first): router replicas
-sharing an index each know the prompts they sent. A remembered end only counts while the
-index still shows its worker holding it, so a failed attempt or an eviction cannot name a
-worker that does not hold the prompt.
+The memory is bounded (oldest entries dropped first). Router replicas sharing an index share
+it too: behind a round-robin balancer a conversation's next turn reaches a replica that did
+not send the previous one, and without the previous turn's end it has no home, so the
+recent-count cap could move it (seen with 4 replicas on real vLLM: 6 of 30 resends of a
+prompt were moved and recomputed). Each replica keeps its own records for the others
+(`share`, `take_sent`), and the Redis load board passes them on at its next sync (every
+50 ms, off the request path: router/load/redis.py) and `absorb`s theirs. A remembered end
+only counts while the index still shows its worker holding it, so a failed attempt or an
+eviction cannot name a worker that does not hold the prompt.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from cache_client.base import IndexView
 from normalizer.prefix import PrefixChain, PrefixKey
@@ -75,6 +80,11 @@ _FORK = None
 
 _Entry = tuple[str | None, PrefixKey, int, PrefixKey | None]
 
+EndRecord = tuple[str, PrefixKey, PrefixKey, int, PrefixKey | None]
+"""One prompt sent: (worker, its end key, its last key, the end key's index in the chain,
+the remembered end it continues or None). What `record` applies, and what one replica
+tells the others."""
+
 
 class ServedEnds:
     """Where the prompts this router sent ended (module docstring). `lookup` reads only;
@@ -82,6 +92,8 @@ class ServedEnds:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._capacity = capacity
+        self._outbox: list[EndRecord] | None = None
+        """Records for the other replicas (`share`), None while nobody reads them."""
         self._ends: dict[PrefixKey, _Entry] = {}
         """end key -> (worker, or _FORK; the last key of the prompt that ended there; the
         end key's index in the chain, the same in every chain holding it; the last key of
@@ -111,13 +123,29 @@ class ServedEnds:
     def record(self, worker: str, chain: PrefixChain) -> None:
         """`chain`'s prompt was sent to `worker`: remember where it ended and, for a chain
         without a reply (the only kind `lookup` is asked about), which end it continues."""
+        sent = self._note(worker, chain)
+        if sent is None:
+            return
+        self._apply(sent)
+        if self._outbox is not None:
+            self._outbox.append(sent)
+            if len(self._outbox) > self._capacity:  # the replicas have been away a while
+                del self._outbox[0]
+
+    def _note(self, worker: str, chain: PrefixChain) -> EndRecord | None:
+        """What `record` remembers of a sent prompt, as one replica tells the others."""
         keys, cum = chain.keys, chain.cum_tokens
         at = bisect.bisect_right(cum, chain.total_tokens - END_SLACK_TOKENS) - 1
         if at < 1:  # an end at key 0 names no conversation
-            return
-        end, last, ends = keys[at], keys[-1], self._ends
-        if not chain.reply_depth:
-            self._continue(keys, self._deepest(keys, at + 1))
+            return None
+        continued = None if chain.reply_depth else self._deepest_key(keys, at + 1)
+        return (worker, keys[at], keys[-1], at, continued)
+
+    def _apply(self, sent: EndRecord) -> None:
+        worker, end, last, at, continued = sent
+        ends = self._ends
+        if continued is not None and (entry := ends.get(continued)) is not None:
+            self._continue(continued, entry, last)
         previous = ends.pop(end, None)
         if previous is None or (previous[0] is not _FORK and previous[1] == last):
             # New, or the same prompt again (a retry, or re-ranked after queueing).
@@ -127,21 +155,49 @@ class ServedEnds:
         if len(ends) > self._capacity:
             del ends[next(iter(ends))]
 
+    # -- replicas ----------------------------------------------------------------------------
+    def share(self) -> None:
+        """Keep what `record` remembers for the other replicas (`take_sent`): the router's
+        Redis load board passes it on at its next sync (router/load/redis.py)."""
+        if self._outbox is None:
+            self._outbox = []
+
+    def take_sent(self) -> list[EndRecord]:
+        """The records made since the last call, for the other replicas."""
+        if not self._outbox:
+            return []
+        out, self._outbox = self._outbox, []
+        return out
+
+    def give_back(self, sent: list[EndRecord]) -> None:
+        """Records `take_sent` handed out that did not reach the others (Redis failed): sent
+        again at the next sync, bounded as before."""
+        if self._outbox is not None and sent:
+            self._outbox[:0] = sent
+            del self._outbox[: max(0, len(self._outbox) - self._capacity)]
+
+    def absorb(self, sent: Iterable[Sequence]) -> None:
+        """Another replica's records (`take_sent`, through JSON): remembered as if this
+        router had sent those prompts."""
+        for worker, end, last, at, continued in sent:
+            self._apply((str(worker), PrefixKey(end), PrefixKey(last), int(at),
+                         None if continued is None else PrefixKey(continued)))
+
     def _deepest(self, keys: Sequence[PrefixKey], stop: int) -> _Entry | None:
         """The deepest remembered end among `keys[1:stop]`. Key 0 (model and tools) is
         every request's, so an end there names no conversation. Found at C speed: a
         32k-token prompt holds 500 keys."""
         return next(filter(None, map(self._ends.get, reversed(keys[1:stop]))), None)
 
-    def _continue(self, keys: Sequence[PrefixKey], entry: _Entry | None) -> None:
-        """The prompt of `keys` continues the end `entry` (if any) of an earlier prompt."""
-        if entry is None:
-            return
+    def _deepest_key(self, keys: Sequence[PrefixKey], stop: int) -> PrefixKey | None:
+        """The key of `_deepest`'s entry."""
+        return next(filter(self._ends.__contains__, reversed(keys[1:stop])), None)
+
+    def _continue(self, end: PrefixKey, entry: _Entry, last: PrefixKey) -> None:
+        """A prompt whose last key is `last` continues the remembered `end` of an earlier one."""
         worker, ended, at, next_last = entry
-        last = keys[-1]
         if worker is _FORK or last == ended or next_last == last:
             return  # a fork already, or a retry of the prompt that ended there or of its continuation
-        end = keys[at]
         if next_last is None:
             self._ends[end] = (worker, ended, at, last)  # its one continuation, so far
         else:

@@ -22,6 +22,7 @@ import httpx
 from cache_client.base import POOL, IndexObserver, PrefixIndex
 from cache_client.memory import MemoryIndex
 from cache_client.response_owners import MemoryResponseOwners, RedisResponseOwners, ResponseOwners
+from cache_client.served_ends import ServedEnds
 from router.auth import KeyCheck
 from router.breaker import OutlierDetector
 from router.calibration import Calibrator, cost_readers
@@ -244,8 +245,14 @@ def build_services(
     salter = cache_salter(config, index) if tenants.enabled else None
     if tenants.enabled:
         metrics.enable_tenants()
+    # Where the prompts sent ended, to find a conversation's home (cache_client/served_ends.py);
+    # replicas sharing Redis pass theirs on at the load board's sync.
+    ends = ServedEnds() if policy.uses_index else None
+    if ends is not None and hasattr(loads, "ends"):
+        ends.share()
+        loads.ends = ends
     proxy = Proxy(
-        config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
+        config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission, ends=ends,
         normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
         tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,

@@ -8,7 +8,11 @@
 -- ARGV[4] counts (JSON), or "" when the replica leaves;
 -- ARGV[5] (optional) this replica's cost-model statistics per worker (JSON), or "": kept
 -- under T:lbc:<replica> for 30 leases (they change slowly and are sent every second or so).
--- Returns {the other live replicas' counts, their cost statistics (only if ARGV[5] is set)}.
+-- ARGV[6] (optional) the prompt ends this replica sent since its last sync (JSON, opaque
+-- here), or "": appended to the stream T:ends (capped, expiring an hour after the last
+-- append); ARGV[7] the last stream id this replica has read ("0-0" at first).
+-- Returns {the other live replicas' counts, their cost statistics (only if ARGV[5] is set),
+-- the ends the other replicas appended after ARGV[7] (at most 256 entries), the last id read}.
 
 local T = ARGV[1]
 local me = ARGV[2]
@@ -21,7 +25,7 @@ if ARGV[4] == '' then
   redis.call('ZREM', KEYS[1], me)
   redis.call('DEL', T .. ':lb:' .. me)
   redis.call('DEL', T .. ':lbc:' .. me)
-  return {{}, {}}
+  return {{}, {}, {}, ''}
 end
 local costs = ARGV[5] or ''
 if costs ~= '' then
@@ -42,4 +46,20 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     end
   end
 end
-return {out, stats}
+local ends, seen = {}, ARGV[7] or ''
+if seen ~= '' then
+  local stream = T .. ':ends'
+  if (ARGV[6] or '') ~= '' then
+    redis.call('XADD', stream, 'MAXLEN', '~', 4096, '*', 'r', me, 'd', ARGV[6])
+    redis.call('PEXPIRE', stream, 3600000)
+  end
+  -- The entry after `seen`: its sequence number + 1 (XRANGE's exclusive "(" needs Redis 6.2).
+  local ms, seq = string.match(seen, '^(%d+)-(%d+)$')
+  local from = ms .. '-' .. (tonumber(seq) + 1)
+  for _, entry in ipairs(redis.call('XRANGE', stream, from, '+', 'COUNT', 256)) do
+    seen = entry[1]
+    local fields = entry[2]
+    if fields[2] ~= me then ends[#ends + 1] = fields[4] end
+  end
+end
+return {out, stats, ends, seen}

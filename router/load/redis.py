@@ -28,6 +28,7 @@ import orjson
 
 from cache_client.redact import exc_summary
 from cache_client.redis_conn import REDIS_ERRORS, RedisBackend, Script
+from cache_client.served_ends import ServedEnds
 from router.calibration import Calibrator
 from router.load.board import DEFAULT_RECENT_HALF_LIFE_S, LocalLoadBoard, Ticket
 from router.routing import WorkerLoad
@@ -81,6 +82,10 @@ class RedisLoadBoard(LocalLoadBoard):
         """Learned cost models (router/calibration.py): their statistics ride on every
         `cost_every`-th sync, and the other replicas' come back with it."""
         self.cost_every = max(1, round(1.0 / sync_interval_s))
+        self.ends: ServedEnds | None = None
+        """Where the prompts sent ended (cache_client/served_ends.py): each sync passes this
+        replica's new records on and takes in the others'."""
+        self._ends_seen = "0-0"
         backend.on_close.append(self._leave)
         # Heartbeat from the moment Redis answers, not from this replica's first request:
         # other replicas (and operators) see every live replica.
@@ -112,14 +117,18 @@ class RedisLoadBoard(LocalLoadBoard):
         costs = b""
         if calibrator is not None and self.syncs % self.cost_every == 0:
             costs = orjson.dumps(calibrator.export())
+        ends = self.ends
+        sent = ends.take_sent() if ends is not None else []
+        args = [self._tag, self.replica_id, self._lease_ms, self._payload(), costs,
+                orjson.dumps(sent) if sent else b"", self._ends_seen if ends is not None else ""]
         try:
-            others, stats = await self._backend.script(
-                LOADS_SCRIPT, self._registry, [self._tag, self.replica_id, self._lease_ms, self._payload(), costs]
-            )
+            others, stats, *shared = await self._backend.script(LOADS_SCRIPT, self._registry, args)
         except Exception as exc:
             if not isinstance(exc, REDIS_ERRORS):
                 log.error("load board sync failed unexpectedly: %s", exc_summary(exc))
             self._backend.failed(exc)
+            if ends is not None:
+                ends.give_back(sent)
             return False
         now = self._clock()
         remote: dict[str, _Remote] = {}
@@ -138,6 +147,11 @@ class RedisLoadBoard(LocalLoadBoard):
         self.syncs += 1
         if costs and calibrator is not None:
             calibrator.absorb(_merge_stats(stats))
+        if ends is not None and len(shared) == 2:
+            blobs, seen = shared
+            self._ends_seen = seen.decode() if isinstance(seen, bytes) else str(seen)
+            for blob in blobs:
+                ends.absorb(orjson.loads(blob))
         return True
 
     async def _sync_loop(self) -> None:

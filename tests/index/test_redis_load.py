@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 
 from cache_client.redis_conn import RedisBackend, parse_redis_url
 from loadtests.replicas import RedisServer
@@ -186,3 +187,37 @@ async def test_replicas_share_learned_costs(boards) -> None:
     assert learned is not None
     assert learned.prefill_s(0, 8000) == pytest.approx(a.costs["w0"].prefill_s(0, 8000), rel=0.05)
     assert learned.prefill_s(0, 8000) > 2 * prior.prefill_s(0, 8000)
+
+
+def _chain(prompt: str) -> Any:
+    from router.chain import EstimateChainBuilder
+
+    return EstimateChainBuilder().build({"model": "m", "prompt": prompt}, "completion")
+
+
+async def test_replicas_share_where_the_prompts_they_sent_ended(boards) -> None:
+    from cache_client.base import IndexView
+    from cache_client.served_ends import ServedEnds
+
+    a, b, c = boards(), boards(), boards()
+    for board in (a, b, c):
+        board.ends = ServedEnds()
+        board.ends.share()
+    first, later = _chain("a" * 2000), _chain("a" * 2000 + "b" * 500)
+    view = IndexView({"w1": len(first) - 1})
+    a.ends.record("w1", first)
+    assert await b.sync() and await a.sync() and await b.sync()
+    assert b.ends.lookup(later, view) == "w1"  # learned from a, through Redis
+    assert a.ends.lookup(later, view) == "w1"  # its own, not received back twice
+    # A replica that joins later reads what was appended before it came.
+    assert await c.sync()
+    assert c.ends.lookup(later, view) == "w1"
+    # A sync that fails keeps the records for the next one.
+    b.ends.record("w2", _chain("z" * 2000))
+
+    async def unreachable(*args: Any) -> Any:
+        raise redis_errors.ConnectionError("Redis went away")
+
+    b._backend.script = unreachable  # type: ignore[method-assign]
+    assert not await b.sync()
+    assert len(b.ends.take_sent()) == 1

@@ -4,13 +4,16 @@ recent counts, while its worker's queues are negligible; hot prefixes still spre
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
+import redis
 
 from cache_client.base import IndexView, key_tokens_of
 from cache_client.memory import MemoryIndex
@@ -30,6 +33,7 @@ from router.policies.bounded import within_bounds
 from router.precise.chain import chain_of_tokens
 from router.routing import RouteRequest, WorkerLoad
 from router.workers import WorkerSpec
+from tests.support.system_redis import SYSTEM_REDIS
 from tests.support.upstream import RecordingUpstream
 
 COST = CostModel()
@@ -262,6 +266,57 @@ def test_two_prompts_ending_at_one_key_make_it_a_fork() -> None:
     assert ends.lookup(later, view) is None
 
 
+def _exchange(*replicas: ServedEnds) -> None:
+    """What the Redis load board's sync does: each replica's new records, through JSON, to
+    every other."""
+    sent = [orjson.dumps(r.take_sent()) for r in replicas]
+    for i, r in enumerate(replicas):
+        for j, blob in enumerate(sent):
+            if i != j:
+                r.absorb(orjson.loads(blob))
+
+
+def test_a_replica_learns_the_ends_another_sent() -> None:
+    a, b = ServedEnds(), ServedEnds()
+    a.share()
+    b.share()
+    first, again, later = _chain("a" * 2000), _chain("a" * 2000), _chain("a" * 2000 + "b" * 500)
+    view = IndexView({"w1": len(first) - 1})
+    a.record("w1", first)
+    assert b.lookup(again, view) is None and b.lookup(later, view) is None
+    _exchange(a, b)
+    assert b.lookup(again, view) == b.lookup(later, view) == "w1"
+    assert a.take_sent() == b.take_sent() == []  # handed out once
+
+
+def test_two_replicas_prompts_ending_at_one_key_make_a_fork_on_both() -> None:
+    a, b = ServedEnds(), ServedEnds()
+    a.share()
+    b.share()
+    base = "s" * 2048
+    one, two, later = _chain(base + "question one"), _chain(base + "question two"), _chain(base + "x" * 600)
+    view = IndexView({"w1": len(one) - 1, "w2": len(one) - 1})
+    a.record("w1", one)
+    b.record("w2", two)
+    _exchange(a, b)
+    assert a.lookup(later, view) is None and b.lookup(later, view) is None
+
+
+def test_records_are_kept_for_others_only_when_shared_and_come_back_after_a_failed_sync() -> None:
+    alone = ServedEnds()
+    alone.record("w1", _chain("a" * 2000))
+    assert alone.take_sent() == []
+    shared = ServedEnds(capacity=4)
+    shared.share()
+    for i in range(6):
+        shared.record("w1", _chain(f"prompt {i} " * 100))
+    sent = shared.take_sent()
+    assert len(sent) == 4  # bounded while nobody takes them
+    shared.record("w1", _chain("later " * 100))
+    shared.give_back(sent)  # the sync failed
+    assert len(shared.take_sent()) == 4
+
+
 def test_remembered_ends_are_bounded() -> None:
     ends = ServedEnds(capacity=8)
     for i in range(20):
@@ -313,13 +368,16 @@ async def test_a_sent_prompt_is_remembered_when_kv_events_keep_the_index() -> No
     assert (real.headers["x-kvroute-worker"], real.headers["x-kvroute-route-reason"]) == (home, "gpu_hit")
 
 
-async def _grow_agent(url: str, turns: int, api: str, agent: int = 0) -> list[AgentTurn]:
+async def _grow_agent(url: str | list[str], turns: int, api: str, agent: int = 0) -> list[AgentTurn]:
     """One agent that resends its whole history each turn, with no assistant message: as a
-    completions prompt, or as one user message (a trace replayer's form)."""
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    completions prompt, or as one user message (a trace replayer's form). Given several
+    router URLs (replicas behind a balancer), turn t goes to the t-th in turn."""
+    urls = [url] if isinstance(url, str) else url
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0) for u in urls]
     text, out = own_system(agent), []
     try:
         for t in range(turns):
+            client = clients[t % len(clients)]
             text += f"\nUser: Agent {agent}, step {t}: " + "run the next check " * 25 + "\nAssistant:"
             if api == "completions":
                 raw: Any = await client.completions.with_raw_response.create(model=MODEL, prompt=text, max_tokens=24)
@@ -335,7 +393,8 @@ async def _grow_agent(url: str, turns: int, api: str, agent: int = 0) -> list[Ag
             out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached))
             text += answer
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return out
 
 
@@ -353,6 +412,43 @@ def test_growing_prompt_agents_keep_their_workers_end_to_end(api: str) -> None:
             return await asyncio.gather(*(_grow_agent(router.url, 20, api, agent=a) for a in (1, 2, 3)))
 
         together = asyncio.run(three())
+    for turns in (alone, *together):
+        assert len({t.worker for t in turns}) == 1, turns
+        assert not [t for t in turns if t.reason == "overload"], turns
+        assert all(t.cached_tokens > 0 for t in turns[1:]), turns
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    prefix = f"test-ends-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    with redis.Redis.from_url(SYSTEM_REDIS) as c:
+        for key in c.scan_iter(match="{" + prefix + "}*"):
+            c.delete(key)
+
+
+@pytest.mark.redis
+def test_growing_prompts_keep_their_workers_across_replicas(redis_prefix: str) -> None:
+    """Four replicas behind a round-robin balancer: each turn reaches another replica, which
+    learned where the previous prompt ended from the load board's sync, not from sending it.
+    One agent alone, then three at once."""
+    args = ["--redis", SYSTEM_REDIS, "--redis-prefix", redis_prefix]
+    with SimCluster(workers=4, time_scale=0.02, pool=False) as cluster:
+        replicas = [RouterProcess(cluster.worker_urls, policy="cache_aware", extra_args=args) for _ in range(4)]
+        try:
+            for r in replicas:
+                r.start()
+            urls = [r.url for r in replicas]
+            alone = asyncio.run(_grow_agent(urls, 20, "one_message_chat"))
+
+            async def three() -> list:
+                return await asyncio.gather(*(_grow_agent(urls[a:] + urls[:a], 20, "one_message_chat", agent=a)
+                                              for a in (1, 2, 3)))
+
+            together = asyncio.run(three())
+        finally:
+            for r in replicas:
+                r.stop()
     for turns in (alone, *together):
         assert len({t.worker for t in turns}) == 1, turns
         assert not [t for t in turns if t.reason == "overload"], turns
