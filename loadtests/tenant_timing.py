@@ -38,6 +38,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -321,7 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logdir = args.log_dir or Path(f"/tmp/kvroute-tenant-timing-{os.getpid()}")
+    logdir = args.log_dir or Path(tempfile.gettempdir()) / f"kvroute-tenant-timing-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     (logdir / "tenants.yaml").write_text(TENANTS)
     (logdir / "salt").write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")

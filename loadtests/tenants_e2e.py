@@ -36,6 +36,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -191,7 +192,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logdir = args.logdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"kvroute-tenants-e2e-{os.getpid()}"
+    logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-tenants-e2e-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     (logdir / "tenants.yaml").write_text(TENANTS)
     (logdir / "salt").write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")

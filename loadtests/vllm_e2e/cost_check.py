@@ -33,6 +33,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -174,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--max-words", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--logdir", type=Path, default=None, help="the processes' logs (default: a new directory under the temporary directory)")
     args = ap.parse_args(argv)
-    logdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvroute-cost-check-{os.getpid()}"
+    logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-cost-check-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(args.venv, args.model, logdir, worker_args=["--enable-prompt-tokens-details"])
     report: dict[str, Any] = {"logdir": str(logdir)}

@@ -49,6 +49,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -826,7 +827,7 @@ def run_phases(stack: Stack, args: argparse.Namespace, report: dict[str, Any]) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logdir = args.logdir or Path(os.environ.get("TMPDIR", "/tmp")) / f"kvroute-vllm-e2e-{os.getpid()}"
+    logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-vllm-e2e-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(args.venv, args.model, logdir)
     report: dict[str, Any] = {"logdir": str(logdir), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
