@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,13 +93,13 @@ def make_client() -> UpstreamClient:
     return make_upstream_client(connect_timeout_s=30.0, max_connections=100_000, kind="raw")
 
 
-async def one(client: UpstreamClient, url: str, flow: Flow, t0: float, seq: int) -> None:
+async def one(client: UpstreamClient, url: str, flow: Flow, t0: float, seq: int, run: str = "") -> None:
     sent = time.perf_counter()
     # Output lengths vary (uniform over 1..2 × the mean, fixed per flow and sequence number):
     # equal lengths would keep a saturated fleet's slots finishing in synchronized waves.
     max_tokens = random.Random(f"{flow.name}-{seq}").randint(1, 2 * flow.max_tokens - 1)
     body = orjson.dumps({"model": MODEL[0], "stream": True, "max_tokens": max_tokens,
-                         "messages": [{"role": "user", "content": f"{flow.name}-{seq} {flow.prompt}"}]})
+                         "messages": [{"role": "user", "content": f"{flow.name}-{run}-{seq} {flow.prompt}"}]})
     headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {flow.key}".encode())]
     sample = Sample(sent - t0, 0)
     resp = None
@@ -138,13 +139,16 @@ async def poisson(urls: Sequence[str], flows: Sequence[Flow], duration_s: float,
             # One generator per flow: a flow's arrival times depend only on the seed and its
             # name, so a tenant alone and beside a burst sees the very same arrivals.
             rng = random.Random(f"{seed}-{flow.name}")
+            # Prompts new to the workers in every call: a phase that repeated an earlier
+            # phase's prompts (the same names and sequence numbers) would measure cache hits.
+            run = uuid.uuid4().hex[:12]
             seq = 0
             at = flow.start_s + rng.expovariate(flow.rate)
             while at < duration_s:
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(client, next(next_url), flow, t0, seq)))
+                tasks.append(asyncio.create_task(one(client, next(next_url), flow, t0, seq, run)))
                 seq += 1
                 at += rng.expovariate(flow.rate)
 
@@ -169,11 +173,12 @@ async def closed_loop(url: str, flow: Flow, concurrency: int, duration_s: float)
     try:
         t0 = time.perf_counter()
         seq = itertools.count()
+        run = uuid.uuid4().hex[:12]
 
         async def user() -> None:
             nonlocal done
             while time.perf_counter() - t0 < duration_s:
-                await one(c, url, flow, t0, next(seq))
+                await one(c, url, flow, t0, next(seq), run)
                 done += 1
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
@@ -230,7 +235,7 @@ def load_average() -> list[float]:
 def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"load_average_before": load_average()}
     limit = 10.0  # capped's requests_per_s in TENANTS
-    with SimCluster(workers=2, time_scale=args.time_scale, pool=False) as cluster, \
+    with SimCluster(workers=args.limits_workers, time_scale=args.time_scale, pool=False) as cluster, \
             RedisServer(port=args.redis_port) as redis_server:
         MODEL[0] = cluster.model
         common = ["--tenants", tenants_file, "--redis", redis_server.url, "--redis-prefix", "tenant-limits"]
@@ -272,6 +277,7 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
     accepted = summary(capped, args.duration)
     out.update({
         "replicas": args.replicas,
+        "workers": args.limits_workers,
         "duration_s": args.duration,
         "redis_outage_s": list(window),
         "capped": {"limit_requests_per_s": limit, **accepted,
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", help="keep the tenants file and the routers' logs here (default: a temporary directory)")
     # limits
     p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--limits-workers", type=int, default=2, help="simulated workers behind the replicas")
     p.add_argument("--redis-port", type=int, default=6390, help="this run's own redis-server (stopped mid-run)")
     p.add_argument("--capped-rate", type=float, default=50.0)
     p.add_argument("--steady-rate", type=float, default=10.0)
