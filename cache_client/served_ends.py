@@ -162,11 +162,14 @@ class ServedEnds:
         if self._outbox is None:
             self._outbox = []
 
-    def take_sent(self) -> list[EndRecord]:
-        """The records made since the last call, for the other replicas."""
+    def take_sent(self, limit: int | None = None) -> list[EndRecord]:
+        """The oldest `limit` (default: all) records not yet taken, for the other replicas."""
         if not self._outbox:
             return []
-        out, self._outbox = self._outbox, []
+        if limit is None or len(self._outbox) <= limit:
+            out, self._outbox = self._outbox, []
+        else:
+            out, self._outbox = self._outbox[:limit], self._outbox[limit:]
         return out
 
     def give_back(self, sent: list[EndRecord]) -> None:
