@@ -369,10 +369,13 @@ async def test_a_sent_prompt_is_remembered_when_kv_events_keep_the_index() -> No
     assert (real.headers["x-kvroute-worker"], real.headers["x-kvroute-route-reason"]) == (home, "gpu_hit")
 
 
-async def _grow_agent(url: str | list[str], turns: int, api: str, agent: int = 0) -> list[AgentTurn]:
+async def _grow_agent(
+    url: str | list[str], turns: int, api: str, agent: int = 0, think_s: float = 0.0
+) -> list[AgentTurn]:
     """One agent that resends its whole history each turn, with no assistant message: as a
     completions prompt, or as one user message (a trace replayer's form). Given several
-    router URLs (replicas behind a balancer), turn t goes to the t-th in turn."""
+    router URLs (replicas behind a balancer), turn t goes to the t-th in turn; `think_s`
+    between turns (an agent's own work between its model calls)."""
     urls = [url] if isinstance(url, str) else url
     clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0) for u in urls]
     text, out = own_system(agent), []
@@ -393,6 +396,7 @@ async def _grow_agent(url: str | list[str], turns: int, api: str, agent: int = 0
             cached = (details.cached_tokens or 0) if details else 0
             out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached))
             text += answer
+            await asyncio.sleep(think_s)
     finally:
         for client in clients:
             await client.close()
@@ -432,19 +436,27 @@ def redis_prefix() -> Iterator[str]:
 def test_growing_prompts_keep_their_workers_across_replicas(redis_prefix: str) -> None:
     """Four replicas behind a round-robin balancer: each turn reaches another replica, which
     learned where the previous prompt ended from the load board's sync, not from sending it.
-    One agent alone, then three at once."""
-    args = ["--redis", SYSTEM_REDIS, "--redis-prefix", redis_prefix]
+    One agent alone, then three at once. The agents think 0.2 s between turns (the sync runs
+    every 50 ms; a turn sent sooner than that after the previous one, to another replica,
+    may still find no home)."""
+    # A lookup over its budget falls back to the replica's own mirror (a miss here): a busy
+    # CI machine must not turn that designed degradation into a failure of this test.
+    args = ["--redis", SYSTEM_REDIS, "--redis-prefix", redis_prefix, "--redis-lookup-budget-ms", "500"]
     with SimCluster(workers=4, time_scale=0.02, pool=False) as cluster:
         replicas = [RouterProcess(cluster.worker_urls, policy="cache_aware", extra_args=args) for _ in range(4)]
         try:
             for r in replicas:
                 r.start()
             urls = [r.url for r in replicas]
-            alone = asyncio.run(_grow_agent(urls, 20, "one_message_chat"))
+            for i, url in enumerate(urls):  # each replica's Redis connection and scripts, ready
+                warm = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": f"warm-up {i}"}]}
+                assert httpx.post(url + "/v1/chat/completions", json=warm, timeout=30).status_code == 200
+            alone = asyncio.run(_grow_agent(urls, 20, "one_message_chat", think_s=0.2))
 
             async def three() -> list:
-                return await asyncio.gather(*(_grow_agent(urls[a:] + urls[:a], 20, "one_message_chat", agent=a)
-                                              for a in (1, 2, 3)))
+                return await asyncio.gather(*(
+                    _grow_agent(urls[a:] + urls[:a], 20, "one_message_chat", agent=a, think_s=0.2) for a in (1, 2, 3)
+                ))
 
             together = asyncio.run(three())
         finally:
