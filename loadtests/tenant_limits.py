@@ -15,12 +15,17 @@ alone, ...) so that drift on a shared machine falls on both alike.
 
 `fairness`: one replica, `--max-inflight-per-worker` slots per simulated worker. The
 fleet's capacity is measured first (a closed loop holding every slot busy for
-`--probe-s`), then tenant `y` sends at 0.2 × capacity alone, then `x` bursts at 5 ×
-capacity while `y` sends as before. Reported: y's TTFT (p50/p99/mean) alone and under the
-burst and their ratio, y's 429s, x's accepted rate and TTFT, and a sanity bound (x's mean
-TTFT of accepted requests must stay under the queue timeout + the service time). With
-`--compare-fifo` the burst phase runs again without tenants (the FIFO queue), to show what
-the fair queue changes.
+`--probe-s`), then, for each of `--seeds`, tenant `y` sends at 0.2 × capacity alone, then
+again (the same arrivals) while `x` bursts at 5 × capacity from `--lead-s` seconds in; y is
+measured from that moment in both phases (a steady tenant already there when the burst
+comes). Reported per seed: y's TTFT (p50/p99/mean) alone and under the burst and their
+ratio, y's 429s, x's accepted rate and TTFT, and a sanity bound (x's mean TTFT of accepted
+requests must stay under the queue timeout + the service time). With `--compare-fifo` the
+burst phase runs again without tenants (the FIFO queue), to show what the fair queue
+changes.
+
+Every call of the load generator names its prompts afresh: no phase resends an earlier
+phase's prompts (which the workers may still hold: it would measure cache hits).
 """
 
 from __future__ import annotations
