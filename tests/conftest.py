@@ -85,3 +85,15 @@ def router(request: pytest.FixtureRequest, router_workers: dict[str, str]) -> It
     from loadtests.routerproc import RouterProcess
 
     yield from started(request, "router_process", RouterProcess, router_workers)
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A key prefix (and hash tag) of the system Redis for one test; its keys are removed after."""
+    import uuid
+
+    from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    delete_prefix(SYSTEM_REDIS, "{" + prefix + "}")

@@ -13,8 +13,6 @@ import os
 import re
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -44,23 +42,15 @@ def run(load: ConversationLoad) -> dict:
     return summarize(load.results)
 
 
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    p = f"test-e2e-{uuid.uuid4().hex[:10]}"
-    yield p
-    with redis.Redis.from_url(SYSTEM_REDIS) as c:
-        for key in c.scan_iter(match="{" + p + "}*"):
-            c.delete(key)
-
 
 def gauge(text: str, name: str) -> float | None:
     m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
 
 
-def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimCluster, prefix: str) -> None:
+def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimCluster, redis_prefix: str) -> None:
     args = [*ROUTER_ARGS, *BUDGET_ARGS]
-    with RouterReplicas(cluster.worker_urls, 2, SYSTEM_REDIS, prefix, extra_args=args) as shared:
+    with RouterReplicas(cluster.worker_urls, 2, SYSTEM_REDIS, redis_prefix, extra_args=args) as shared:
         result = run(ConversationLoad(shared.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate))
         metrics = [r.metrics() for r in shared.routers]
     assert result["failed"] == 0 and result["affinity"] == 1.0, result
@@ -78,16 +68,16 @@ def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimC
 # (its published loads empty, "both routed some" failing). A connection per request spreads
 # them; one rerun stays for the case where one process still accepts all 48.
 @pytest.mark.flaky(reruns=1)
-def test_processes_on_one_port_share_the_index_and_loads(cluster: SimCluster, prefix: str) -> None:
-    args = [*ROUTER_ARGS, *BUDGET_ARGS, "--processes", "2", "--redis", SYSTEM_REDIS, "--redis-prefix", prefix]
+def test_processes_on_one_port_share_the_index_and_loads(cluster: SimCluster, redis_prefix: str) -> None:
+    args = [*ROUTER_ARGS, *BUDGET_ARGS, "--processes", "2", "--redis", SYSTEM_REDIS, "--redis-prefix", redis_prefix]
     with RouterProcess(cluster.worker_urls, extra_args=args) as router, redis.Redis.from_url(SYSTEM_REDIS) as r:
-        registry = "{" + prefix + "}:lb"
+        registry = "{" + redis_prefix + "}:lb"
         deadline = time.monotonic() + 20
         while r.zcard(registry) < 2:
             assert time.monotonic() < deadline, "both router processes should heartbeat in Redis"
             time.sleep(0.1)
         result = run(ConversationLoad([router.url], conversations=16, turns=3, arrival_rate=10, fresh_connections=True))
-        counts = [orjson.loads(r.get("{" + prefix + "}:lb:" + rid.decode()) or b"{}")
+        counts = [orjson.loads(r.get("{" + redis_prefix + "}:lb:" + rid.decode()) or b"{}")
                   for rid in r.zrange(registry, 0, -1)]
     assert result["failed"] == 0 and result["affinity"] == 1.0, result
     assert len(counts) == 2

@@ -4,16 +4,14 @@ recent counts, while its worker's queues are negligible; hot prefixes still spre
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
-import redis
 
 from cache_client.base import IndexView, key_tokens_of
 from cache_client.memory import MemoryIndex
@@ -422,14 +420,6 @@ def test_growing_prompt_agents_keep_their_workers_end_to_end(api: str) -> None:
         assert not [t for t in turns if t.reason == "overload"], turns
         assert all(t.cached_tokens > 0 for t in turns[1:]), turns
 
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"test-ends-{uuid.uuid4().hex[:10]}"
-    yield prefix
-    with redis.Redis.from_url(SYSTEM_REDIS) as c:
-        for key in c.scan_iter(match="{" + prefix + "}*"):
-            c.delete(key)
 
 
 @pytest.mark.redis

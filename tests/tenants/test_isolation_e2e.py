@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,19 +95,11 @@ def test_one_router_keeps_tenants_apart(cluster: SimCluster, tenants_file: Path)
     assert "sk-" not in metrics and "confidential" not in metrics
 
 
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    p = f"test-iso-{uuid.uuid4().hex[:10]}"
-    yield p
-    with redis.Redis.from_url(SYSTEM_REDIS) as c:
-        for key in c.scan_iter(match="{" + p + "}*"):
-            c.delete(key)
-
 
 @pytest.mark.redis
-def test_four_replicas_sharing_redis_keep_tenants_apart(cluster: SimCluster, tenants_file: Path, prefix: str) -> None:
+def test_four_replicas_sharing_redis_keep_tenants_apart(cluster: SimCluster, tenants_file: Path, redis_prefix: str) -> None:
     # No salt secret configured: the replicas agree through the one Redis creates.
-    args = [*ROUTER_ARGS, "--tenants", str(tenants_file), "--redis", SYSTEM_REDIS, "--redis-prefix", prefix,
+    args = [*ROUTER_ARGS, "--tenants", str(tenants_file), "--redis", SYSTEM_REDIS, "--redis-prefix", redis_prefix,
             "--redis-lookup-budget-ms", "200"]
     routers = [RouterProcess(cluster.worker_urls, extra_args=args) for _ in range(4)]
     try:
@@ -119,7 +110,7 @@ def test_four_replicas_sharing_redis_keep_tenants_apart(cluster: SimCluster, ten
         for r in routers:
             r.stop()
     with redis.Redis.from_url(SYSTEM_REDIS) as c:
-        assert c.exists("{" + prefix + "}:tenant-salt-secret")
+        assert c.exists("{" + redis_prefix + "}:tenant-salt-secret")
 
 
 def test_the_worker_receives_the_scopes_salt_never_the_clients(tenants_file: Path) -> None:

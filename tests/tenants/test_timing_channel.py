@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from loadtests.sim.cluster import SimCluster
 from loadtests.tenant_timing import (
@@ -26,7 +24,6 @@ from loadtests.tenant_timing import (
     run_rounds,
     summed_hits,
 )
-from tests.support.system_redis import SYSTEM_REDIS
 
 
 def test_auc_is_one_when_every_x_is_faster_and_a_half_for_the_same_samples() -> None:
@@ -56,24 +53,16 @@ def test_report_fails_a_probe_that_reused_tokens_or_a_resend_that_missed() -> No
     assert not report(missed)["checks"]["resend_hits"]
 
 
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    p = f"test-timing-{uuid.uuid4().hex[:10]}"
-    yield p
-    with redis.Redis.from_url(SYSTEM_REDIS) as c:
-        for key in c.scan_iter(match="{" + p + "}*"):
-            c.delete(key)
-
 
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.sim_cluster(workers=2, time_scale=0.05)
 def test_a_short_trial_through_two_replicas_isolates_and_shares_as_configured(
-    cluster: SimCluster, tmp_path: Path, prefix: str
+    cluster: SimCluster, tmp_path: Path, redis_prefix: str
 ) -> None:
     (tmp_path / "tenants.yaml").write_text(TENANTS)
     (tmp_path / "salt").write_text(uuid.uuid4().hex * 2 + "\n")
-    args = router_args(tmp_path / "tenants.yaml", tmp_path / "salt", 2, prefix)
+    args = router_args(tmp_path / "tenants.yaml", tmp_path / "salt", 2, redis_prefix)
     urls = list(cluster.worker_urls.values())
 
     def reset() -> None:
