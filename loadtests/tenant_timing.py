@@ -57,6 +57,7 @@ from loadtests.vllm_e2e.run_e2e import (
     MODEL_NAME,
     WORDS,
     Stack,
+    engine_counters,
     reset_caches,
     wait_http,
 )
@@ -255,13 +256,7 @@ def routers(workers: dict[str, str], args: list[str], replicas: int, logdir: Pat
 
 def summed_hits(urls: Sequence[str]) -> float:
     """GPU + LMCache prefix-cache hits over the workers (vLLM's metric names; the simulator's too)."""
-    total = 0.0
-    for url in urls:
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            name = line.split("{", 1)[0]
-            if name in ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(c["hits"] + c["external"] for c in map(engine_counters, urls))
 
 
 @contextlib.contextmanager

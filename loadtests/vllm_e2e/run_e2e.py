@@ -297,13 +297,19 @@ class Stack:
 
 # -- observation ------------------------------------------------------------------------------
 def worker_counters(w: Worker) -> dict[str, float]:
+    return engine_counters(w.url)
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """An engine's prefix-cache counters in tokens from its /metrics (vLLM's names, which the
+    simulator serves too): GPU hits, LMCache (external) hits, queried."""
     out = {"hits": 0.0, "external": 0.0, "queries": 0.0}
     names = {
         "vllm:prefix_cache_hits_total": "hits",
         "vllm:external_prefix_cache_hits_total": "external",
         "vllm:prefix_cache_queries_total": "queries",
     }
-    for line in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0]
         if name in names:
             out[names[name]] += float(line.rsplit(" ", 1)[1])
