@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated workers: real seconds per simulated second")
     p.add_argument("--prompt-tokens", type=int, default=1000)
-    p.add_argument("--log-dir", help="keep the tenants file and the routers' logs here (default: a temporary directory)")
+    p.add_argument("--logdir", "--log-dir", dest="logdir", help="keep the tenants file and the routers' logs here (default: a temporary directory)")
     # limits
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--limits-workers", type=int, default=2, help="simulated workers behind the replicas")
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with stop_children_on_signals(), tempfile.TemporaryDirectory(prefix="tenant-limits-") as tmp0:
-        tmp = args.log_dir or tmp0
+        tmp = args.logdir or tmp0
         tenants_file = os.path.join(tmp, "tenants.yaml")
         with open(tenants_file, "w") as fh:
             fh.write(TENANTS)

@@ -308,7 +308,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=Path.home() / ".cache/kvroute/tiny-llama")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--logdir", "--log-dir", dest="logdir", type=Path, default=None)
     args = ap.parse_args(argv)
     args.workers = args.workers or (4 if args.backend == "sim" else 2)
     args.words = args.words or (2700 if args.backend == "sim" else 1400)
@@ -317,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logdir = args.log_dir or Path(tempfile.gettempdir()) / f"kvroute-tenant-timing-{os.getpid()}"
+    logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-tenant-timing-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     (logdir / "tenants.yaml").write_text(TENANTS)
     (logdir / "salt").write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
