@@ -221,7 +221,8 @@ class RedisIndex:
     @classmethod
     def from_settings(cls, settings: RedisIndexSettings, observer: IndexObserver | None = None) -> RedisIndex:
         """An index on its own connection (`index.backend`, which others may share: the
-        router's load board does). Connects lazily, on the first call in the app's loop."""
+        router's load board does). Connects on the first call in the app's loop, or at
+        `connect` (the router calls it at startup: router/services.py, `connect_shared`)."""
         backend = RedisBackend(parse_redis_url(settings.url), budget_s=settings.lookup_budget_ms / 1e3)
         return cls(
             backend,
@@ -240,7 +241,8 @@ class RedisIndex:
         return self._mirror
 
     async def connect(self, timeout_s: float = 10.0) -> bool:
-        """Wait until Redis answers (the app does not need this: it starts on first use)."""
+        """Wait until Redis answers (or `timeout_s` passes: False). Without it the index
+        starts on first use, and that first lookup misses its budget while connecting."""
         self._start()
         return await self._backend.connect(timeout_s)
 

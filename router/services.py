@@ -285,6 +285,29 @@ def build_services(
     return services
 
 
+REDIS_STARTUP_WAIT_S = 2.0
+"""How long a starting router waits for Redis before it serves on its own view."""
+
+
+async def connect_shared(index: PrefixIndex, loads: LoadBoard) -> None:
+    """Connect to the shared Redis before the first request, and read the other replicas'
+    loads and prompt ends once: otherwise the connection opens on the first request, which
+    then routes on this replica's empty view (the lookup budget is far shorter than a
+    connect). Redis not answering within `REDIS_STARTUP_WAIT_S` does not stop the start:
+    the router serves degraded and connects in the background, as after an outage."""
+    from cache_client.redis_index import RedisIndex
+    from router.load.redis import RedisLoadBoard
+
+    if not isinstance(index, RedisIndex):
+        return
+    if not await index.connect(REDIS_STARTUP_WAIT_S):
+        log.warning("Redis at %s did not answer within %g s: routing on this replica's own view until it does",
+                    index.backend.settings.display(), REDIS_STARTUP_WAIT_S)
+        return
+    if isinstance(loads, RedisLoadBoard):
+        await loads.sync()
+
+
 def _lifecycle(s: Services) -> list[Lifecycle]:
     async def set_capacities() -> None:
         for spec in s.config.workers:
@@ -296,7 +319,11 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
         await s.index.close()
         await s.health_client.aclose()
 
-    stages: list[Lifecycle] = [Stage("index", set_capacities, close_index_and_client)]
+    async def open_index() -> None:
+        await set_capacities()
+        await connect_shared(s.index, s.loads)
+
+    stages: list[Lifecycle] = [Stage("index", open_index, close_index_and_client)]
     if s.salter is not None:  # the salts' secret is settled before the first request
         stages.append(s.salter)
     stages += [s.proxy, s.fleet]

@@ -77,6 +77,9 @@ class RedisLoadBoard(LocalLoadBoard):
         self._synced_at = -math.inf
         self._task: asyncio.Task | None = None
         self.syncs = 0
+        self._sync_lock = asyncio.Lock()
+        """One sync at a time: the background loop's and a caller's (the startup's first)
+        would otherwise read the same stream position and both take in its records."""
         self.replicas = 1
         """Live replicas (this one included) at the last sync: kept while Redis is away, for
         the share of the tenant limits each replica enforces meanwhile."""
@@ -115,6 +118,10 @@ class RedisLoadBoard(LocalLoadBoard):
 
     async def sync(self) -> bool:
         """Publish this replica's counts and take in the others'. False if Redis failed."""
+        async with self._sync_lock:
+            return await self._sync()
+
+    async def _sync(self) -> bool:
         calibrator = self.calibrator
         costs = b""
         if calibrator is not None and self.syncs % self.cost_every == 0:

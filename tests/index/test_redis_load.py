@@ -221,3 +221,44 @@ async def test_replicas_share_where_the_prompts_they_sent_ended(boards) -> None:
     b._backend.script = unreachable  # type: ignore[method-assign]
     assert not await b.sync()
     assert len(b.ends.take_sent()) == 1
+
+
+async def test_a_starting_router_connects_and_reads_the_other_replicas_before_its_first_request(
+    redis_prefix: str,
+) -> None:
+    # A replica already serving has a request in flight on w0. A router starting beside it
+    # must see that at its first decision: connected to Redis during startup, not by its
+    # first lookup (which would miss its budget while connecting and route on its own view).
+    from router.config_loader import flat_config
+    from router.services import build_services, start_all, stop_all
+
+    serving = RedisLoadBoard(RedisBackend(parse_redis_url(SYSTEM_REDIS), budget_s=1.0), prefix=redis_prefix,
+                             replica_id="serving")
+    serving.acquire("w0", 0.5)
+    assert await serving.sync()
+    config = flat_config(redis=SYSTEM_REDIS, redis_prefix=redis_prefix, redis_lookup_budget_ms=5,
+                         workers=["w0=http://127.0.0.1:9", "w1=http://127.0.0.1:9"])
+    services = build_services(config)
+    assert not services.index.backend.up  # type: ignore[attr-defined]
+    await start_all(services)
+    try:
+        assert services.index.backend.up  # type: ignore[attr-defined]
+        assert [load.inflight for load in services.loads.snapshot(["w0", "w1"])] == [1, 0]
+    finally:
+        await stop_all(services.lifecycle)
+        await serving._backend.close()
+
+
+async def test_a_router_starts_without_redis_and_serves_on_its_own_view() -> None:
+    from router.config_loader import flat_config
+    from router.services import build_services, start_all, stop_all
+
+    # Nothing listens on port 1: the start waits at most REDIS_STARTUP_WAIT_S, then serves.
+    config = flat_config(redis="redis://127.0.0.1:1/0", workers=["w0=http://127.0.0.1:9"])
+    services = build_services(config)
+    await start_all(services)
+    try:
+        assert not services.index.backend.up  # type: ignore[attr-defined]
+        assert [load.inflight for load in services.loads.snapshot(["w0"])] == [0]
+    finally:
+        await stop_all(services.lifecycle)
