@@ -448,11 +448,14 @@ async def find_capacity(
     fixed_scale: float | None,
     steps: int,
     progress: ProgressBar | None,
+    journal: Path | None = None,
 ) -> dict[str, Any]:
     """Highest session arrival rate whose short run keeps TTFT p99 within the SLO.
 
     Doubles (or halves) from the scenario's rate until the outcome flips, then bisects
-    geometrically `steps` times. Every probe is a fresh cluster and router.
+    geometrically `steps` times. Every probe is a fresh cluster and router. Each probe's
+    outcome is appended to `journal` (JSON lines) as soon as it is known: a search of
+    several routers can take hours, and one stopped early keeps what it measured.
     """
     scenario = SCENARIOS[scenario_name]
     trials: list[dict[str, Any]] = []
@@ -484,6 +487,9 @@ async def find_capacity(
                 "client_minus_worker_ttft_mean_s": summary["client_minus_worker_ttft_mean_s"],
             }
         )
+        if journal is not None:
+            with journal.open("a") as fh:
+                fh.write(json.dumps({"router": entry.key, **trials[-1]}) + "\n")
         return ok
 
     lo, hi = 0.0, math.inf
@@ -750,6 +756,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                     entry, args.scenario, args.seed, rates.arrival_rate_per_s, args.slo_p99_ttft, setup,
                     rates.output_tokens_per_session,
                     None if args.time_scale == "auto" else time_scale, args.capacity_steps, bar,
+                    journal=out / "capacity.jsonl",
                 )  # fmt: skip
             except (RuntimeError, OSError, httpx.HTTPError) as exc:
                 found = {"capacity_sessions_per_s": None, "error": str(exc)[:2000]}
