@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
 import pytest
 
 from loadtests.bench import (
@@ -268,3 +272,35 @@ def test_learned_costs_converge_from_the_first_sample_that_stays_within_toleranc
     growth = cost.marginal_prefill_s(16384) / cost.marginal_prefill_s(4096)
     assert summary["learned_over_sim_marginal"]["16384"] == pytest.approx(1 / growth)
     assert growth > 1.2 and summary["within_tolerance_from"]["16384"] is None
+
+
+def test_capacity_search_brackets_the_limit_and_journals_every_probe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The search against a router whose p99 crosses the SLO at 3 sessions/s (no cluster: the
+    # run answers from that rule), each probe journalled as it ends.
+    from loadtests import bench
+
+    probed: list[float] = []
+
+    def build(scenario: object, seed: int, rate: float, **kwargs: object) -> None:
+        probed.append(rate)
+
+    async def run(entry: Entry, workload: object, setup: object, progress: object) -> tuple[dict, None]:
+        p99 = 1.0 if probed[-1] <= 3.0 else 4.0
+        summary = {"ttft_p99_s": p99, "ttft_mean_s": 0.1, "requests_failed": 0,
+                   "harness": {"bottleneck": {"flag": False}}, "client_minus_worker_ttft_mean_s": 0.0}
+        return summary, None
+
+    monkeypatch.setattr(bench, "build_workload", build)
+    monkeypatch.setattr(bench, "run_entry", run)
+    entry = parse_entries("random", "")[0]
+    setup = bench.RunSetup(8, "h200-llama3-8b", 1.0, 10**6, 0, tmp_path)
+    journal = tmp_path / "capacity.jsonl"
+    found = asyncio.run(bench.find_capacity(entry, "seed", 1, 1.0, 2.0, setup, 100.0, 1.0, 3, None, journal=journal))
+    lo, hi = found["bracket"]
+    assert lo <= 3.0 < hi and hi / lo < 1.1 and found["capacity_sessions_per_s"] == lo
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [(x["rate_per_s"], x["meets_slo"]) for x in lines] == [(t["rate_per_s"], t["meets_slo"]) for t in found["trials"]]
+    # Doubling from 1: 1 and 2 meet it, 4 does not; then 2.83 meets it, 3.36 and 3.08 do not.
+    assert all(x["router"] == "random" for x in lines) and len(lines) == 6
