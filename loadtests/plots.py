@@ -78,3 +78,36 @@ def ttft_by_turn(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def capacity_curve(trials: Mapping[str, Sequence[Mapping[str, object]]], slo_s: float, path: Path, title: str) -> Path:
+    """p99 TTFT against offered load, one line per router, from its capacity probes.
+
+    A probe repeated at a larger time scale (its first run was flagged) is drawn once, by its
+    last run; flagged probes that stand are drawn hollow."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, runs in trials.items():
+        last: dict[float, Mapping[str, object]] = {}
+        for t in runs:
+            if t.get("ttft_p99_s") is not None:
+                last[float(t["rate_per_s"])] = t  # type: ignore[arg-type]
+        if not last:
+            continue
+        rates = sorted(last)
+        (line,) = ax.plot(rates, [last[r]["ttft_p99_s"] for r in rates], marker="o", ms=4, label=name)
+        flagged = [r for r in rates if last[r].get("bottleneck")]
+        if flagged:
+            ax.plot(flagged, [last[r]["ttft_p99_s"] for r in flagged], "o", ms=8, mfc="none", color=line.get_color())
+    ax.axhline(slo_s, color="grey", lw=0.8, ls="--", label=f"SLO p99 {slo_s:g} s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (sessions started per simulated s, log scale)")
+    ax.set_ylabel("TTFT p99 (simulated s, log scale)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -49,3 +49,16 @@ def test_plots_are_listed_once_drawn(tmp_path: Path) -> None:
     assert [Path(p).name for p in written["plots"]] == ["ttft_cdf.png", "ttft_by_turn.png"]
     assert (tmp_path / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_capacity_search_adds_the_load_curve(tmp_path: Path) -> None:
+    results = _results()
+    results["config"]["slo_p99_ttft_s"] = 2.0
+    trial = {"time_scale": 1.0, "ttft_mean_s": 0.1, "requests_failed": 0, "bottleneck": False}
+    results["routers"] = {
+        "random": {"capacity": {"trials": [{**trial, "rate_per_s": r, "ttft_p99_s": p} for r, p in ((1, 1.5), (2, 3.0))]}},
+        "cache_aware": {"capacity": {"trials": [{**trial, "rate_per_s": 4, "ttft_p99_s": 0.5, "bottleneck": True}]}},
+    }
+    drawn = bench._plots(tmp_path, results, _records(), "seed, 2 workers")
+    assert [Path(p).name for p in drawn] == ["ttft_cdf.png", "ttft_by_turn.png", "capacity.png"]
+    assert (tmp_path / "capacity.png").read_bytes()[:4] == b"\x89PNG"

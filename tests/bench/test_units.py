@@ -304,3 +304,37 @@ def test_capacity_search_brackets_the_limit_and_journals_every_probe(
     assert [(x["rate_per_s"], x["meets_slo"]) for x in lines] == [(t["rate_per_s"], t["meets_slo"]) for t in found["trials"]]
     # Doubling from 1: 1 and 2 meet it, 4 does not; then 2.83 meets it, 3.36 and 3.08 do not.
     assert all(x["router"] == "random" for x in lines) and len(lines) == 6
+
+
+def test_capacity_search_takes_the_base_run_and_repeats_a_flagged_probe_slower(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The entry's own run at the base rate is the search's first probe; a probe the host
+    # could not keep up with (flagged at time scale 1) is repeated at 2, then trusted.
+    from loadtests import bench
+
+    probed: list[tuple[float, float]] = []
+    rates: list[float] = []
+
+    def build(scenario: object, seed: int, rate: float, **kwargs: object) -> None:
+        rates.append(rate)
+
+    async def run(entry: Entry, workload: object, setup: bench.RunSetup, progress: object) -> tuple[dict, None]:
+        rate = rates[-1]
+        probed.append((rate, setup.time_scale))
+        flagged = rate == 2.0 and setup.time_scale < 2
+        summary = {"ttft_p99_s": 1.0 if rate <= 3.0 else 4.0, "ttft_mean_s": 0.1, "requests_failed": 0,
+                   "harness": {"bottleneck": {"flag": flagged}}, "client_minus_worker_ttft_mean_s": 0.0}
+        return summary, None
+
+    monkeypatch.setattr(bench, "build_workload", build)
+    monkeypatch.setattr(bench, "run_entry", run)
+    entry = parse_entries("random", "")[0]
+    setup = bench.RunSetup(8, "h200-llama3-8b", 1.0, 10**6, 0, tmp_path)
+    base = {"ttft_p99_s": 0.9, "ttft_mean_s": 0.1, "requests_failed": 0,
+            "harness": {"bottleneck": {"flag": False}}, "client_minus_worker_ttft_mean_s": 0.0}
+    found = asyncio.run(bench.find_capacity(entry, "seed", 1, 1.0, 2.0, setup, 100.0, 1.0, 1, None, base_run=(base, 1.0)))
+    assert probed[:3] == [(2.0, 1.0), (2.0, 2.0), (4.0, 1.0)]
+    trials = [(t["rate_per_s"], t["time_scale"], t["bottleneck"]) for t in found["trials"]]
+    assert trials[:4] == [(1.0, 1.0, False), (2.0, 1.0, True), (2.0, 2.0, False), (4.0, 1.0, False)]
+    assert found["bracket"][0] == pytest.approx(2.83, abs=0.01) and found["bracket"][1] == 4.0
