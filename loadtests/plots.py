@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from loadtests.harness import percentile
 
@@ -31,6 +31,17 @@ def _pyplot():  # imported lazily: matplotlib is the `bench` extra, and slow to 
     return plt
 
 
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, title: str, **legend: Any) -> Path:
+    """Title, grid and legend, then the PNG written and the figure freed (every plot ends so)."""
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(**{"fontsize": 8, **legend})
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
     """Empirical CDF of TTFT per router, log-scaled time axis."""
     plt = _pyplot()
@@ -45,13 +56,7 @@ def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path, title: str) -> Pa
     ax.set_xlabel("time to first token (simulated s, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.axhline(0.99, color="grey", lw=0.6, ls=":")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, title)
 
 
 def ttft_by_turn(
@@ -71,13 +76,7 @@ def ttft_by_turn(
     ax.set_yscale("log")
     ax.set_xlabel("request index within the session (0 = first)")
     ax.set_ylabel("time to first token (simulated s, log scale)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, title, fontsize=7, ncol=2)
 
 
 def capacity_curve(trials: Mapping[str, Sequence[Mapping[str, object]]], slo_s: float, path: Path, title: str) -> Path:
@@ -104,10 +103,4 @@ def capacity_curve(trials: Mapping[str, Sequence[Mapping[str, object]]], slo_s: 
     ax.set_yscale("log")
     ax.set_xlabel("offered load (sessions started per simulated s, log scale)")
     ax.set_ylabel("TTFT p99 (simulated s, log scale)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, title)

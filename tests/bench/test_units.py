@@ -274,6 +274,12 @@ def test_learned_costs_converge_from_the_first_sample_that_stays_within_toleranc
     assert growth > 1.2 and summary["within_tolerance_from"]["16384"] is None
 
 
+def _probe_summary(p99: float, flagged: bool = False) -> dict:
+    """What `run_entry` returns of a run, as far as the capacity search reads it."""
+    return {"ttft_p99_s": p99, "ttft_mean_s": 0.1, "requests_failed": 0,
+            "harness": {"bottleneck": {"flag": flagged}}, "client_minus_worker_ttft_mean_s": 0.0}  # fmt: skip
+
+
 def test_capacity_search_brackets_the_limit_and_journals_every_probe(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -287,10 +293,7 @@ def test_capacity_search_brackets_the_limit_and_journals_every_probe(
         probed.append(rate)
 
     async def run(entry: Entry, workload: object, setup: object, progress: object) -> tuple[dict, None]:
-        p99 = 1.0 if probed[-1] <= 3.0 else 4.0
-        summary = {"ttft_p99_s": p99, "ttft_mean_s": 0.1, "requests_failed": 0,
-                   "harness": {"bottleneck": {"flag": False}}, "client_minus_worker_ttft_mean_s": 0.0}
-        return summary, None
+        return _probe_summary(1.0 if probed[-1] <= 3.0 else 4.0), None
 
     monkeypatch.setattr(bench, "build_workload", build)
     monkeypatch.setattr(bench, "run_entry", run)
@@ -322,18 +325,14 @@ def test_capacity_search_takes_the_base_run_and_repeats_a_flagged_probe_slower(
     async def run(entry: Entry, workload: object, setup: bench.RunSetup, progress: object) -> tuple[dict, None]:
         rate = rates[-1]
         probed.append((rate, setup.time_scale))
-        flagged = rate == 2.0 and setup.time_scale < 2
-        summary = {"ttft_p99_s": 1.0 if rate <= 3.0 else 4.0, "ttft_mean_s": 0.1, "requests_failed": 0,
-                   "harness": {"bottleneck": {"flag": flagged}}, "client_minus_worker_ttft_mean_s": 0.0}
-        return summary, None
+        return _probe_summary(1.0 if rate <= 3.0 else 4.0, flagged=rate == 2.0 and setup.time_scale < 2), None
 
     monkeypatch.setattr(bench, "build_workload", build)
     monkeypatch.setattr(bench, "run_entry", run)
     entry = parse_entries("random", "")[0]
     setup = bench.RunSetup(8, "h200-llama3-8b", 1.0, 10**6, 0, tmp_path)
-    base = {"ttft_p99_s": 0.9, "ttft_mean_s": 0.1, "requests_failed": 0,
-            "harness": {"bottleneck": {"flag": False}}, "client_minus_worker_ttft_mean_s": 0.0}
-    found = asyncio.run(bench.find_capacity(entry, "seed", 1, 1.0, 2.0, setup, 100.0, 1.0, 1, None, base_run=(base, 1.0)))
+    base_run = (_probe_summary(0.9), 1.0)
+    found = asyncio.run(bench.find_capacity(entry, "seed", 1, 1.0, 2.0, setup, 100.0, 1.0, 1, None, base_run=base_run))
     assert probed[:3] == [(2.0, 1.0), (2.0, 2.0), (4.0, 1.0)]
     trials = [(t["rate_per_s"], t["time_scale"], t["bottleneck"]) for t in found["trials"]]
     assert trials[:4] == [(1.0, 1.0, False), (2.0, 1.0, True), (2.0, 2.0, False), (4.0, 1.0, False)]
