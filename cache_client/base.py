@@ -64,6 +64,13 @@ class PrefixIndex(Protocol):
         """
         ...
 
+    async def written(self) -> None:
+        """Returns once every write made so far is visible to whoever shares the index (at
+        once for an index nobody shares), or its backend is down, or its lookup budget has
+        passed. Awaited before an answer's last byte: the client's next turn may come at
+        once, through another replica, and must find this turn's prefix."""
+        ...
+
     async def evict(self, location: str, keys: Sequence[PrefixKey]) -> None:
         """`location` no longer holds `keys` (e.g. a vLLM BlockRemoved event)."""
         ...

@@ -84,6 +84,9 @@ class MemoryIndex:
     async def record(self, location: str, keys: Sequence[PrefixKey], key_tokens: Sequence[int]) -> None:
         self.record_sync(location, keys, key_tokens)
 
+    async def written(self) -> None:
+        return  # one process's index: a write is visible as soon as it is made
+
     def _unhold(self, key: PrefixKey, location: str) -> None:
         holders = self._holders.get(key)
         if holders is not None:

@@ -196,6 +196,11 @@ class RedisIndex:
         self._mirror = _Mirror(default_capacity_tokens)
         self._caps: dict[str, int] = {}
         self._pending: deque[Op] = deque()
+        # Ops ever queued, and of those the ones written (or given up: dropped, or folded into
+        # a resync); `written()` waits for the second to reach the first.
+        self._queued = 0
+        self._settled = 0
+        self._settle_waiters: deque[tuple[int, asyncio.Future]] = deque()
         self._flush_delay_s = flush_delay_s
         self._max_batch_ops = max_batch_ops
         self._max_batch_keys = max_batch_keys
@@ -264,12 +269,30 @@ class RedisIndex:
 
     def _queue(self, op: Op) -> None:
         self._pending.append(op)
+        self._queued += 1
         if len(self._pending) > self._backlog_limit:
             # The mirror still has it: the replica pushes its whole view when Redis is back.
             self._pending.popleft()
             self.stats["dropped_ops"] += 1
             self._overflowed = True
+            self._settle(1)
         self._kick()
+
+    def _settle(self, ops: int) -> None:
+        """`ops` more queued ops are written or given up: wake whoever waited for them."""
+        self._settled += ops
+        waiters = self._settle_waiters
+        while waiters and waiters[0][0] <= self._settled:
+            _, fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+    def _release_waiters(self) -> None:
+        """Redis failed: nothing queued is coming soon, so nobody waits for it."""
+        while self._settle_waiters:
+            _, fut = self._settle_waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     def _take(self, limit: int) -> list[Op]:
         """Up to `limit` queued ops, and no more keys than one short script run should touch
@@ -290,6 +313,7 @@ class RedisIndex:
             self._pending.pop()
             self.stats["dropped_ops"] += 1
             self._overflowed = True
+            self._settle(1)
 
     def _on_up(self) -> None:
         if self._overflowed:
@@ -389,11 +413,13 @@ class RedisIndex:
             ops = self._take(self._max_batch_ops)
             try:
                 await self._call(ops)
+                self._settle(len(ops))
             except Exception as exc:
                 if not isinstance(exc, REDIS_ERRORS):
                     log.error("redis index write failed unexpectedly: %s", exc_summary(exc))
                 self._requeue(ops)
                 self._backend.failed(exc)
+                self._release_waiters()
                 return False
         return self._backend.up
 
@@ -403,6 +429,7 @@ class RedisIndex:
         self.stats["resyncs"] += 1
         # Copied at once: records keep changing the mirror while the batches are sent. What
         # was queued is in the mirror too.
+        self._settle(len(self._pending))  # folded into the push (lookups use the mirror meanwhile)
         self._pending.clear()
         batches: list[list[Op]] = [[]]
         size = 0
@@ -462,6 +489,7 @@ class RedisIndex:
         t0 = time.perf_counter()
         try:
             result = await self._call_with_riders(ops, [chain for chain, _ in batch], riders or [])
+            self._settle(len(ops))
             self.stats["lookup_calls"] += 1
             for i, packed in enumerate(result[1:]):
                 views[i] = IndexView(_unpack_depths(packed))
@@ -472,6 +500,7 @@ class RedisIndex:
                 log.error("redis index lookup failed unexpectedly: %s", exc_summary(exc))
             self._requeue(ops)
             self._backend.failed(exc)
+            self._release_waiters()
         finally:
             self._lookup_calls -= 1
         for (_, fut), view in zip(batch, views, strict=True):
@@ -517,6 +546,19 @@ class RedisIndex:
     async def record(self, location: str, keys: Sequence[PrefixKey], key_tokens: Sequence[int]) -> None:
         self._mirror.record_sync(location, keys, key_tokens)
         self._queue(("R", location, str(self._caps.get(location, "")), _pack_keys(keys), _pack_charges(key_tokens)))
+
+    async def written(self) -> None:
+        """Waits at most the lookup budget: a slow Redis delays an answer's end no more than
+        it may delay a lookup. An op that rode a lookup call settles when that call returns,
+        so two calls ending out of order can end the wait a call early (rare, and harmless:
+        the earlier call was sent first)."""
+        mark = self._queued
+        if self._settled >= mark or not self._backend.up:
+            return
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._settle_waiters.append((mark, fut))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fut, self._backend.budget_s)
 
     async def evict(self, location: str, keys: Sequence[PrefixKey]) -> None:
         await self._mirror.evict(location, keys)

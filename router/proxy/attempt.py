@@ -162,6 +162,7 @@ class Attempt:
             if not relay:
                 if learner is not None:
                     await learner.from_body(first)
+                await proxy.index.written()  # the client's next turn may come at once, elsewhere
                 ex.finished = True
                 await send_whole(ex.send, status, headers, first)
                 return

@@ -4,20 +4,25 @@ trip per lookup, writes that never wait, TTL, and key layout (hash tags, prefixe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from cache_client.redis_conn import RedisBackend, RedisSettings, make_client, parse_redis_url
 from cache_client.redis_index import RedisIndex
 from loadtests.replicas import RedisServer
+from router.app import build_app
 from router.config_loader import flat_config
 from router.metrics import RouterMetrics
 from router.services import redis_components
+from router.workers import WorkerSpec
 from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
+from tests.support.upstream import RecordingUpstream
 from tests.support.wait import wait_for_async
 
 # -- URLs (no server needed) -----------------------------------------------------------------
@@ -169,6 +174,64 @@ async def test_a_lookup_is_one_round_trip_and_carries_queued_writes(replicas) ->
     assert sent == ["EVALSHA"]
     await index.lookup(list(range(50)))
     assert sent == ["EVALSHA", "EVALSHA"]
+
+
+@pytest.mark.redis
+async def test_written_returns_once_other_replicas_can_read_the_writes(replicas) -> None:
+    # A's background flusher is held back: only `written()` can get its record out in time.
+    a, b = await replicas(flush_delay_s=0.5), await replicas()
+    await a.record("w1", [1, 2, 3], [10, 10, 10])
+    assert (await b.lookup([1, 2, 3])).depths == {}  # not yet sent
+    await a.written()
+    assert (await b.lookup([1, 2, 3])).depths == {"w1": 3}
+    # Nothing queued: no wait, no call.
+    calls = a.stats["lookup_calls"]
+    await asyncio.wait_for(a.written(), 0.05)
+    assert a.stats["lookup_calls"] == calls
+
+
+@pytest.mark.redis
+async def test_written_waits_no_longer_than_the_lookup_budget_for_a_hung_redis() -> None:
+    with RedisServer() as server:
+        settings = parse_redis_url(server.url)
+        backend = RedisBackend(settings, budget_s=0.05, client_factory=lambda: make_client(settings, 30.0, 30.0))
+        index = RedisIndex(backend, prefix="hang-written")
+        try:
+            assert await index.connect()
+            server.pause()
+            await index.record("w", [1, 2], [4, 4])
+            # Bounded by the 50 ms budget, far below the 30 s socket timeout.
+            await asyncio.wait_for(index.written(), 5.0)
+        finally:
+            server.resume()
+            await index.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_next_turn_at_once_through_another_router_finds_its_worker(replicas, stream: bool) -> None:
+    """The answer's last byte leaves only once its routing record is in Redis: a client
+    that sends its next turn at once, through another replica, is routed to its cache."""
+    a_index, b_index = await replicas(flush_delay_s=0.5), await replicas()  # A's flusher held back
+    turn = {"model": "rec-model", "stream": stream, "max_tokens": 8, "messages": [
+        {"role": "system", "content": "You review pull requests. " * 60},
+        {"role": "user", "content": "Review the first diff. " * 30},
+    ]}
+    with contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(RecordingUpstream()) for _ in range(4)]
+        config = flat_config(workers=[WorkerSpec(f"w{i}", w.url) for i, w in enumerate(workers)], policy="cache_aware")
+        a, b = build_app(config, index=a_index), build_app(config, index=b_index)
+        async with a.lifespan(a.api), b.lifespan(b.api):
+            async with (httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://a") as to_a,
+                        httpx.AsyncClient(transport=httpx.ASGITransport(app=b), base_url="http://b") as to_b):
+                first = await to_a.post("/v1/chat/completions", json=turn)
+                assert first.status_code == 200, first.text
+                turn["messages"] += [{"role": "assistant", "content": "ok"},
+                                     {"role": "user", "content": "Now the second diff. " * 30}]
+                second = await to_b.post("/v1/chat/completions", json=turn)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert second.headers["x-kvroute-route-reason"] == "gpu_hit"
 
 
 class BlackHole:
