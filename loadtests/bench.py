@@ -84,6 +84,15 @@ MIN_AUTO_TIME_SCALE = 0.5
 MAX_AUTO_TIME_SCALE = 8.0
 MAX_PROBE_TIME_SCALE = 16.0
 """A capacity probe the bottleneck flag marks is repeated at twice its time scale, up to this."""
+PROBE_WARMUP_S = 20.0
+MAX_PROBE_WARMUP_S = 80.0
+UNSETTLED_HALVES_RATIO = 2.0
+"""A probe over the SLO whose window's first half had a mean TTFT more than this many times
+its second half's was still draining its cold start into the window, not overloaded (an
+overloaded fleet's queues grow: its second half is the worse). Runs start with empty caches
+and sessions joining mid-conversation, so the first minutes prefill every joining history
+once; the more sessions a rate keeps active, the longer that takes. Such a probe is
+repeated with twice the warm-up, up to `MAX_PROBE_WARMUP_S`."""
 
 
 @dataclass(frozen=True)
@@ -451,31 +460,38 @@ async def find_capacity(
     steps: int,
     progress: ProgressBar | None,
     journal: Path | None = None,
-    base_run: tuple[dict[str, Any], float] | None = None,
+    base_run: tuple[dict[str, Any], float, float] | None = None,
 ) -> dict[str, Any]:
     """Highest session arrival rate whose short run keeps TTFT p99 within the SLO.
 
     Doubles (or halves) from the scenario's rate until the outcome flips, then bisects
     geometrically `steps` times. Every probe is a fresh cluster and router. `base_run`, the
-    entry's own run at `base_rate` (its summary and time scale), stands for the first probe
-    instead of repeating it. A probe the bottleneck flag marks (the host, not the simulated
-    fleet, set its pace) is run again at twice the time scale, up to `MAX_PROBE_TIME_SCALE`:
-    a flagged verdict is not the router's. Each probe's outcome is appended to `journal`
+    entry's own run at `base_rate` (its summary, time scale and warm-up), stands for the
+    first probe instead of repeating it. A probe the bottleneck flag marks (the host, not the
+    simulated fleet, set its pace) is run again at twice the time scale, up to
+    `MAX_PROBE_TIME_SCALE`: a flagged verdict is not the router's. A failed probe still
+    draining its cold start (`UNSETTLED_HALVES_RATIO`) is run again with twice the warm-up:
+    its verdict is the warm-up's, not the steady state's. Each probe's outcome is appended to `journal`
     (JSON lines) as soon as it is known: a search of several routers can take hours, and one
     stopped early keeps what it measured.
     """
     scenario = SCENARIOS[scenario_name]
     trials: list[dict[str, Any]] = []
 
-    def record(rate: float, scale: float, summary: dict[str, Any]) -> dict[str, Any]:
+    def record(rate: float, scale: float, warmup_s: float, summary: dict[str, Any]) -> dict[str, Any]:
         p99 = summary["ttft_p99_s"]
+        meets_slo = p99 is not None and p99 <= slo_p99_s and summary["requests_failed"] == 0
+        first, second = summary.get("ttft_mean_first_half_s"), summary.get("ttft_mean_second_half_s")
         trial = {
             "rate_per_s": rate,
             "time_scale": scale,
+            "warmup_s": warmup_s,
             "ttft_p99_s": p99,
             "ttft_mean_s": summary["ttft_mean_s"],
+            "ttft_mean_halves_s": [first, second],
             "requests_failed": summary["requests_failed"],
-            "meets_slo": p99 is not None and p99 <= slo_p99_s and summary["requests_failed"] == 0,
+            "meets_slo": meets_slo,
+            "unsettled": not meets_slo and bool(first and second and first > UNSETTLED_HALVES_RATIO * second),
             "bottleneck": summary["harness"]["bottleneck"]["flag"],
             "sim_clock_ratio": summary["harness"]["bottleneck"].get("sim_clock_ratio"),
             "client_minus_worker_ttft_mean_s": summary["client_minus_worker_ttft_mean_s"],
@@ -486,26 +502,32 @@ async def find_capacity(
                 fh.write(json.dumps({"router": entry.key, **trial}) + "\n")
         return trial
 
-    async def probe(rate: float, scale: float) -> dict[str, Any]:
+    async def probe(rate: float, scale: float, warmup_s: float) -> dict[str, Any]:
         # Short probes: a third of the window (at least 20 s), a shorter warm-up and grace;
         # runs start in steady state, so this still measures a loaded fleet.
         wl = build_workload(
-            scenario, seed, rate, warmup_s=min(scenario.warmup_s, 20.0), window_s=max(scenario.window_s / 3, 20.0),
+            scenario, seed, rate, warmup_s=warmup_s, window_s=max(scenario.window_s / 3, 20.0),
             grace_s=min(scenario.grace_s, 10.0), profile=setup.profile,
         )  # fmt: skip
         if progress is not None:
             progress.set(f"capacity {entry.key} @ {rate:.2f}/s")
         summary, _ = await run_entry(entry, wl, RunSetup(**{**setup.__dict__, "time_scale": scale}), progress)
-        return record(rate, scale, summary)
+        return record(rate, scale, warmup_s, summary)
 
     async def meets(rate: float) -> bool:
         if base_run is not None and rate == base_rate:
-            trial = record(rate, base_run[1], base_run[0])
+            trial = record(rate, base_run[1], base_run[2], base_run[0])
         else:
-            trial = await probe(rate, fixed_scale or auto_time_scale(rate * out_per_session))
-        while trial["bottleneck"] and trial["time_scale"] * 2 <= MAX_PROBE_TIME_SCALE:
-            trial = await probe(rate, trial["time_scale"] * 2)
-        return trial["meets_slo"]
+            warmup = min(scenario.warmup_s, PROBE_WARMUP_S)
+            trial = await probe(rate, fixed_scale or auto_time_scale(rate * out_per_session), warmup)
+        while True:
+            scale, warmup = trial["time_scale"], trial["warmup_s"]
+            if trial["bottleneck"] and scale * 2 <= MAX_PROBE_TIME_SCALE:
+                trial = await probe(rate, scale * 2, warmup)
+            elif trial["unsettled"] and warmup * 2 <= MAX_PROBE_WARMUP_S:
+                trial = await probe(rate, scale, warmup * 2)
+            else:
+                return trial["meets_slo"]
 
     lo, hi = 0.0, math.inf
     rate = base_rate
@@ -777,7 +799,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                     rates.output_tokens_per_session,
                     None if args.time_scale == "auto" else time_scale, args.capacity_steps, bar,
                     journal=out / "capacity.jsonl",
-                    base_run=(routers[entry.key], time_scale),
+                    base_run=(routers[entry.key], time_scale, workload.warmup_s),
                 )  # fmt: skip
             except (RuntimeError, OSError, httpx.HTTPError) as exc:
                 found = {"capacity_sessions_per_s": None, "error": str(exc)[:2000]}

@@ -274,9 +274,10 @@ def test_learned_costs_converge_from_the_first_sample_that_stays_within_toleranc
     assert growth > 1.2 and summary["within_tolerance_from"]["16384"] is None
 
 
-def _probe_summary(p99: float, flagged: bool = False) -> dict:
+def _probe_summary(p99: float, flagged: bool = False, halves: tuple[float, float] = (0.1, 0.1)) -> dict:
     """What `run_entry` returns of a run, as far as the capacity search reads it."""
     return {"ttft_p99_s": p99, "ttft_mean_s": 0.1, "requests_failed": 0,
+            "ttft_mean_first_half_s": halves[0], "ttft_mean_second_half_s": halves[1],
             "harness": {"bottleneck": {"flag": flagged}}, "client_minus_worker_ttft_mean_s": 0.0}  # fmt: skip
 
 
@@ -331,9 +332,45 @@ def test_capacity_search_takes_the_base_run_and_repeats_a_flagged_probe_slower(
     monkeypatch.setattr(bench, "run_entry", run)
     entry = parse_entries("random", "")[0]
     setup = bench.RunSetup(8, "h200-llama3-8b", 1.0, 10**6, 0, tmp_path)
-    base_run = (_probe_summary(0.9), 1.0)
+    base_run = (_probe_summary(0.9), 1.0, 20.0)
     found = asyncio.run(bench.find_capacity(entry, "seed", 1, 1.0, 2.0, setup, 100.0, 1.0, 1, None, base_run=base_run))
     assert probed[:3] == [(2.0, 1.0), (2.0, 2.0), (4.0, 1.0)]
     trials = [(t["rate_per_s"], t["time_scale"], t["bottleneck"]) for t in found["trials"]]
     assert trials[:4] == [(1.0, 1.0, False), (2.0, 1.0, True), (2.0, 2.0, False), (4.0, 1.0, False)]
     assert found["bracket"][0] == pytest.approx(2.83, abs=0.01) and found["bracket"][1] == 4.0
+
+
+def test_capacity_search_repeats_a_probe_still_draining_its_cold_start_with_a_longer_warm_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # At 4/s the 20 s warm-up does not absorb the cold start: the window's first half is 4x
+    # its second and p99 misses the SLO; with 40 s it meets it. At 8/s the fleet is
+    # overloaded (the second half is the worse): that verdict stands, once.
+    from loadtests import bench
+
+    calls: list[tuple[float, float]] = []
+    pending: list[tuple[float, float]] = []
+
+    def build(scenario: object, seed: int, rate: float, **kwargs: float) -> None:
+        pending.append((rate, kwargs["warmup_s"]))
+
+    async def run(entry: Entry, workload: object, setup: bench.RunSetup, progress: object) -> tuple[dict, None]:
+        rate, warmup = pending.pop()
+        calls.append((rate, warmup))
+        if rate >= 8.0:
+            return _probe_summary(9.0, halves=(1.0, 3.0)), None
+        if rate > 2.0 and warmup < 40.0:
+            return _probe_summary(3.0, halves=(2.0, 0.5)), None
+        return _probe_summary(1.0), None
+
+    monkeypatch.setattr(bench, "build_workload", build)
+    monkeypatch.setattr(bench, "run_entry", run)
+    entry = parse_entries("random", "")[0]
+    setup = bench.RunSetup(8, "h200-llama3-8b", 1.0, 10**6, 0, tmp_path)
+    found = asyncio.run(bench.find_capacity(entry, "seed", 1, 2.0, 2.0, setup, 100.0, 1.0, 0, None,
+                                            base_run=(_probe_summary(1.0), 1.0, 20.0)))  # fmt: skip
+    assert calls == [(4.0, 20.0), (4.0, 40.0), (8.0, 20.0)]
+    assert [(t["rate_per_s"], t["warmup_s"], t["unsettled"], t["meets_slo"]) for t in found["trials"]] == [
+        (2.0, 20.0, False, True), (4.0, 20.0, True, False), (4.0, 40.0, False, True), (8.0, 20.0, False, False),
+    ]  # fmt: skip
+    assert found["bracket"] == [4.0, 8.0]
