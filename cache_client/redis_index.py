@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import struct
 import time
@@ -281,16 +282,14 @@ class RedisIndex:
     def _settle(self, ops: int) -> None:
         """`ops` more queued ops are written or given up: wake whoever waited for them."""
         self._settled += ops
-        waiters = self._settle_waiters
-        while waiters and waiters[0][0] <= self._settled:
-            _, fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
+        self._wake_waiters(self._settled)
 
-    def _release_waiters(self) -> None:
-        """Redis failed: nothing queued is coming soon, so nobody waits for it."""
-        while self._settle_waiters:
-            _, fut = self._settle_waiters.popleft()
+    def _wake_waiters(self, through: float) -> None:
+        """End the `written()` waits for marks up to `through` (all of them, on a failure:
+        nothing queued is coming soon)."""
+        waiters = self._settle_waiters
+        while waiters and waiters[0][0] <= through:
+            _, fut = waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
 
@@ -419,7 +418,7 @@ class RedisIndex:
                     log.error("redis index write failed unexpectedly: %s", exc_summary(exc))
                 self._requeue(ops)
                 self._backend.failed(exc)
-                self._release_waiters()
+                self._wake_waiters(math.inf)
                 return False
         return self._backend.up
 
@@ -500,7 +499,7 @@ class RedisIndex:
                 log.error("redis index lookup failed unexpectedly: %s", exc_summary(exc))
             self._requeue(ops)
             self._backend.failed(exc)
-            self._release_waiters()
+            self._wake_waiters(math.inf)
         finally:
             self._lookup_calls -= 1
         for (_, fut), view in zip(batch, views, strict=True):

@@ -162,7 +162,8 @@ class Attempt:
             if not relay:
                 if learner is not None:
                     await learner.from_body(first)
-                await proxy.index.written()  # the client's next turn may come at once, elsewhere
+                if ex.recorded:  # the client's next turn may come at once, through another replica
+                    await proxy.index.written()
                 ex.finished = True
                 await send_whole(ex.send, status, headers, first)
                 return

@@ -48,7 +48,7 @@ class Disconnected(Exception):
 class Exchange:
     __slots__ = (
         "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "generated", "grant",
-        "headers", "kind", "last_error", "model", "payload", "queue_deadline", "scope", "send", "session_key",
+        "headers", "kind", "last_error", "model", "payload", "queue_deadline", "recorded", "scope", "send", "session_key",
         "started", "stream", "tenant", "tried", "turn",
     )  # fmt: skip
 
@@ -73,6 +73,8 @@ class Exchange:
         self.choice: Routed | None = None
         """The latest routing decision (None until the first)."""
         self.attempts = 0
+        self.recorded = False
+        """Its routing was recorded in the index: its answer ends once the record is written."""
         self.tried: set[str] = set()
         self.last_error = "no worker tried"
         self.turn = False

@@ -446,6 +446,7 @@ class Proxy:
                         self.ends.record(name, chain)
                     if self.chains.records_on_route:
                         await self._record(name, chain)
+                        ex.recorded = True
                 await attempt.run(ex)
                 return "answered"
             except AttemptFailed as exc:

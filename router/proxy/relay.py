@@ -133,7 +133,8 @@ async def relay_stream(
         ex.generated = metrics.tenants.generated_in(ex.tenant, usage, streamed)
     if learner is not None:
         await learner.settle()
-    await proxy.index.written()  # this turn's prefix, before the client can send the next
+    if ex.recorded:  # this turn's prefix, before the client can send the next
+        await proxy.index.written()
     if not tail and attempt.first_byte_s is not None:
         # The usage (cached tokens) is what this answer teaches the cost model.
         proxy.learn_cost(ex, attempt.worker.name, attempt.first_byte_s, usage)
