@@ -43,6 +43,12 @@ def run(load: ConversationLoad) -> dict:
 
 
 
+def why(result: dict) -> dict:
+    """What a failed affinity check should show, spelled out: pytest cuts the whole
+    summary's repr before the route reasons."""
+    return {k: result[k] for k in ("failed", "errors", "affinity", "previous_turn_stickiness", "reasons")}
+
+
 def gauge(text: str, name: str) -> float | None:
     m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
@@ -53,9 +59,7 @@ def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimC
     with RouterReplicas(cluster.worker_urls, 2, SYSTEM_REDIS, redis_prefix, extra_args=args) as shared:
         result = run(ConversationLoad(shared.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate))
         metrics = [r.metrics() for r in shared.routers]
-    # Spelled out: pytest would cut the dict's repr before the route reasons.
-    why = {k: result[k] for k in ("failed", "errors", "affinity", "previous_turn_stickiness", "reasons")}
-    assert result["failed"] == 0 and result["affinity"] == 1.0, why
+    assert result["failed"] == 0 and result["affinity"] == 1.0, why(result)
     assert all(gauge(m, "kvroute_index_backend_up") == 1.0 for m in metrics)
 
     # The control: same workload, each replica with its own in-memory index.
@@ -81,9 +85,7 @@ def test_processes_on_one_port_share_the_index_and_loads(cluster: SimCluster, re
         result = run(ConversationLoad([router.url], conversations=16, turns=3, arrival_rate=10, fresh_connections=True))
         counts = [orjson.loads(r.get("{" + redis_prefix + "}:lb:" + rid.decode()) or b"{}")
                   for rid in r.zrange(registry, 0, -1)]
-    # Spelled out: pytest would cut the dict's repr before the route reasons.
-    why = {k: result[k] for k in ("failed", "errors", "affinity", "previous_turn_stickiness", "reasons")}
-    assert result["failed"] == 0 and result["affinity"] == 1.0, why
+    assert result["failed"] == 0 and result["affinity"] == 1.0, why(result)
     assert len(counts) == 2
     # Each process publishes the decayed count of the requests it routed: both routed some.
     assert all(sum(v[2] for v in c.values()) > 0 for c in counts), counts
