@@ -44,7 +44,9 @@ class SecuritySettings:
 _BEARER = b"bearer "
 
 
-def _digest(key: bytes) -> bytes:
+def key_digest(key: bytes) -> bytes:
+    """The form a client key is stored and looked up in (API keys here, tenant keys in
+    router/tenants/model.py): a fixed-length digest, so lookups compare no secret bytes."""
     return hashlib.sha256(key).digest()
 
 
@@ -86,7 +88,7 @@ class KeyCheck:
     """A set of accepted keys, stored as digests."""
 
     def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = {_digest(k.encode()): _digest(k.encode()) for k in keys}
+        self._digests = {key_digest(k.encode()): key_digest(k.encode()) for k in keys}
         if not self._digests:
             raise ValueError("no keys given")
 
@@ -96,7 +98,7 @@ class KeyCheck:
     def accepts(self, key: bytes | None) -> bool:
         if not key:
             return False
-        digest = _digest(key)
+        digest = key_digest(key)
         stored = self._digests.get(digest)
         return stored is not None and hmac.compare_digest(stored, digest)
 

@@ -8,10 +8,11 @@ key a client guessed. Without a tenants file there is no table and behaviour is 
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from router.auth import key_digest
 
 PRIVATE_SCOPE = "private"
 """The default cache scope: the tenant's prompts share KV blocks with no other tenant's."""
@@ -45,10 +46,6 @@ class Tenant:
         return f"tenant:{self.name}" if self.cache_scope == PRIVATE_SCOPE else f"group:{self.cache_scope}"
 
 
-def _digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()
-
-
 class TenantTable:
     """Tenants by client key. Immutable once built: a reload builds a new table and swaps it."""
 
@@ -57,7 +54,7 @@ class TenantTable:
         self._by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
         for tenant in self.tenants.values():
             for key in tenant.keys:
-                digest = _digest(key.encode())
+                digest = key_digest(key.encode())
                 if digest in self._by_digest:
                     raise ValueError(f"key given to two tenants: {self._by_digest[digest][1].name}, {tenant.name}")
                 self._by_digest[digest] = (digest, tenant)
@@ -69,7 +66,7 @@ class TenantTable:
         """The tenant owning this client key, or None (unknown key, or none presented)."""
         if not key:
             return None
-        digest = _digest(key)
+        digest = key_digest(key)
         found = self._by_digest.get(digest)
         if found is None or not hmac.compare_digest(found[0], digest):
             return None
