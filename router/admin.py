@@ -234,7 +234,7 @@ async def explain(
 def _load(load: WorkerLoad) -> dict[str, Any]:
     return {
         "worker": load.name, "inflight": load.inflight, "prefilling": load.prefilling,
-        "queued_prefill_s": load.queued_prefill_s, "recent": load.recent,
+        "queued_prefill_s": load.queued_prefill_s, "lag_s": load.lag_s, "recent": load.recent,
     }  # fmt: skip
 
 

@@ -115,10 +115,11 @@ class CostModel:
         `load` whose GPU holds the prompt's first gpu_tokens, with its first pool_tokens in
         the shared pool. The longer of the two is reused, and what the pool holds beyond
         the GPU is charged its copy instead of its prefill; the TTFT adds the prefill
-        already queued on the worker and the batch steps its running requests lengthen."""
+        already queued on the worker, the batch steps its running requests lengthen, and
+        how far behind these predictions the worker's queue is running (`lag_s`)."""
         prefill = (
             self.overhead_s
             + self.pool_load_s(pool_tokens - gpu_tokens)
             + self.prefill_s(max(gpu_tokens, pool_tokens), total_tokens)
         )
-        return prefill, load.queued_prefill_s + load.inflight * self.inflight_penalty_s + prefill
+        return prefill, load.queued_prefill_s + load.inflight * self.inflight_penalty_s + load.lag_s + prefill

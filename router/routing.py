@@ -30,6 +30,10 @@ class WorkerLoad:
     prefilling: int = 0
     """Requests the router has sent to it that have not produced a first byte yet (the
     queue whose prefill `queued_prefill_s` sums)."""
+    lag_s: float = 0.0
+    """How far behind its prediction the oldest streamed request still awaiting its first
+    token there is, now: queueing the cost model does not see (an engine whose KV is full
+    admits a waiting request only as running ones finish), measured instead of modelled."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,13 +29,15 @@ class Ticket:
     started: float
     first_byte: bool = False
     done: bool = False
+    expected_s: float | None = None
+    """The predicted time to its first token, excluding lag (None: not tracked for lag)."""
 
 
 class LoadBoard(Protocol):
     costs: dict[str, CostModel]
 
     def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]: ...
-    def acquire(self, worker: str, prefill_s: float) -> Ticket: ...
+    def acquire(self, worker: str, prefill_s: float, expected_s: float | None = None) -> Ticket: ...
     def first_byte(self, ticket: Ticket) -> None: ...
     def release(self, ticket: Ticket) -> None: ...
     def inflight(self, worker: str) -> int: ...
@@ -42,7 +45,7 @@ class LoadBoard(Protocol):
 
 
 class _Counts:
-    __slots__ = ("engine_waiting", "inflight", "prefilling", "queued_prefill_s", "recent", "recent_at")
+    __slots__ = ("engine_waiting", "inflight", "pending", "prefilling", "queued_prefill_s", "recent", "recent_at")
 
     def __init__(self) -> None:
         self.inflight = 0
@@ -51,6 +54,17 @@ class _Counts:
         self.recent = 0.0
         self.recent_at = 0.0
         self.engine_waiting = 0
+        self.pending: OrderedDict[int, Ticket] = OrderedDict()
+        """Tracked tickets awaiting their first token, oldest first."""
+
+    def lag_s(self, now: float) -> float:
+        """How far behind its prediction the oldest tracked request awaiting its first token
+        is: in an engine that serves its queue in order, every request sent after it waits
+        at least that much longer than predicted too."""
+        if not self.pending:
+            return 0.0
+        oldest = next(iter(self.pending.values()))
+        return max(now - oldest.started - (oldest.expected_s or 0.0), 0.0)
 
 
 class LocalLoadBoard:
@@ -78,10 +92,16 @@ class LocalLoadBoard:
         for name in names:
             c = self._get(name)
             queued = max(c.queued_prefill_s, 0.0)
-            out.append(WorkerLoad(name, c.inflight, queued, self._recent(c, now), c.engine_waiting, costs.get(name), c.prefilling))
+            out.append(WorkerLoad(
+                name, c.inflight, queued, self._recent(c, now), c.engine_waiting, costs.get(name), c.prefilling,
+                c.lag_s(now),
+            ))  # fmt: skip
         return out
 
-    def acquire(self, worker: str, prefill_s: float) -> Ticket:
+    def acquire(self, worker: str, prefill_s: float, expected_s: float | None = None) -> Ticket:
+        """`expected_s`: the policy's predicted time to first token there, for a streamed
+        request (its first byte is its first token); None leaves the request out of `lag_s`
+        (a whole answer's first byte comes after its decode)."""
         now = self._clock()
         c = self._get(worker)
         c.inflight += 1
@@ -89,7 +109,10 @@ class LocalLoadBoard:
         c.queued_prefill_s += prefill_s
         c.recent = self._recent(c, now) + 1.0
         c.recent_at = now
-        return Ticket(worker, prefill_s, now)
+        ticket = Ticket(worker, prefill_s, now, expected_s=expected_s)
+        if expected_s is not None:
+            c.pending[id(ticket)] = ticket
+        return ticket
 
     def first_byte(self, ticket: Ticket) -> None:
         if ticket.first_byte or ticket.done:
@@ -99,6 +122,8 @@ class LocalLoadBoard:
         if c is not None:  # a worker forgotten meanwhile starts from zero
             c.queued_prefill_s -= ticket.prefill_s
             c.prefilling -= 1
+            if ticket.expected_s is not None:
+                c.pending.pop(id(ticket), None)
 
     def release(self, ticket: Ticket) -> None:
         if ticket.done:

@@ -192,12 +192,15 @@ class RedisLoadBoard(LocalLoadBoard):
                 queued += r.queued_prefill_s
                 recent += r.recent * math.exp(-self._decay * (now - r.at))
                 prefilling += r.prefilling
-            out.append(WorkerLoad(name, inflight, max(queued, 0.0), recent, c.engine_waiting, costs.get(name), prefilling))
+            # The lag is this replica's own: its requests wait in the same engine queues.
+            out.append(WorkerLoad(
+                name, inflight, max(queued, 0.0), recent, c.engine_waiting, costs.get(name), prefilling, c.lag_s(now),
+            ))  # fmt: skip
         return out
 
-    def acquire(self, worker: str, prefill_s: float) -> Ticket:
+    def acquire(self, worker: str, prefill_s: float, expected_s: float | None = None) -> Ticket:
         self._start()
-        return super().acquire(worker, prefill_s)
+        return super().acquire(worker, prefill_s, expected_s)
 
     def inflight(self, worker: str) -> int:
         r = self._remote.get(worker)

@@ -28,6 +28,15 @@ what a single request's TTFT does not see (issue 13: on the Mooncake conversatio
 greedy TTFT moved 151 of 193 continuing conversations and reused half of what the peers
 did; the fleet paid for the recomputes in queueing).
 
+The queue figures are the router's model; the load board also measures how far behind it
+each worker runs (`WorkerLoad.lag_s`: how much longer than predicted its oldest streamed
+request has been waiting for a first token), and the predicted TTFT adds that lag. Seen
+at saturation (issue 13, `seed` at 9.99 sessions/s): an engine whose KV is full admits a
+waiting request only as running ones finish, a wait the model does not see; the worker
+holding the shared system prompt looked cheapest for every new session, took 515 of the
+window's 1,645 requests and answered 10x later than predicted. Priced with its lag, the
+busiest worker took 328, and the run's mean TTFT fell from 0.79–1.13 s to 0.69 s.
+
 A conversation's home is a worker holding the prompt of its previous turn: while that
 worker's queues are negligible the recent-count cap does not move the conversation
 (`bounded.within_bounds`), however much of the recent traffic is the conversation's own.

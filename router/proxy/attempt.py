@@ -42,16 +42,26 @@ class AttemptFailed(Exception):
 
 
 class Attempt:
-    __slots__ = ("chunks", "first_byte_s", "probing", "proxy", "reason", "sent_at", "ticket", "upstream", "worker")
+    __slots__ = (
+        "chunks", "expected_s", "first_byte_s", "probing", "proxy", "reason", "sent_at", "ticket", "upstream", "worker",
+    )  # fmt: skip
 
-    def __init__(self, proxy: Proxy, worker: Worker, reason: str, prefill_s: float) -> None:
-        """Claim `worker` for one try; its breaker has admitted the try (`begin()`)."""
+    def __init__(
+        self, proxy: Proxy, worker: Worker, reason: str, prefill_s: float,
+        expected_s: float | None = None, modelled_s: float | None = None,
+    ) -> None:  # fmt: skip
+        """Claim `worker` for one try; its breaker has admitted the try (`begin()`).
+        `expected_s`: what the breaker judges the time to first byte against (the policy's
+        prediction; 0.0: none made; None: the worker was queued, the time is not judged).
+        `modelled_s`: the cost model's time to first token, which the load board's lag is
+        measured from (None: not tracked)."""
         self.proxy = proxy
         self.worker = worker
         self.reason = reason
+        self.expected_s = expected_s
         self.probing = worker.breaker.state is not CLOSED
         """Holds a half-open breaker's probe slot: given back if no verdict comes."""
-        self.ticket = proxy.loads.acquire(worker.name, prefill_s)
+        self.ticket = proxy.loads.acquire(worker.name, prefill_s, modelled_s)
         self.upstream: UpstreamResponse | None = None
         self.chunks: AsyncIterator[bytes] | None = None
         self.first_byte_s: float | None = None
@@ -65,14 +75,23 @@ class Attempt:
         """The worker answered: its prefill leaves the queue; breaker and health see a success."""
         proxy = self.proxy
         proxy.loads.first_byte(self.ticket)
-        self.worker.breaker.success(latency_s)
+        self.worker.breaker.success()
+        if latency_s is not None:
+            self._timed(latency_s)
         proxy.fleet.mark_ok(self.worker.name)
+
+    def _timed(self, latency_s: float) -> None:
+        """The first token's time, for outlier detection: judged only if the worker had no
+        queue when the request was sent (`expected_s` None: it had one)."""
+        if self.expected_s is not None:
+            self.worker.breaker.timed(latency_s, self.expected_s or None)
 
     def prefilled(self, now: float) -> None:
         """A Responses stream's first output item (its first token): its prefill leaves the
         queue, and its time is what cost learning fits (its first byte came before prefill)."""
         self.first_byte_s = now - self.sent_at
         self.proxy.loads.first_byte(self.ticket)
+        self._timed(self.first_byte_s)
 
     async def failed(self, why: str, passive_down: bool) -> None:
         """No first byte: the breaker and the metrics count a failure; a connection-level
@@ -141,7 +160,7 @@ class Attempt:
                 # A Responses stream opens with response.created before any prefill: the
                 # worker is healthy, but its prefill leaves the queue at the first output
                 # item (relay_stream), or busy workers would look idle.
-                self.worker.breaker.success(loop.time() - sent_at)
+                self.worker.breaker.success()  # timed at the first output item (prefilled)
                 proxy.fleet.mark_ok(self.worker.name)
             else:
                 self.first_byte_s = loop.time() - sent_at if relay else None

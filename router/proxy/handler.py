@@ -424,12 +424,13 @@ class Proxy:
                 continue
             if not worker.breaker.begin():
                 continue
+            expected = _expected_first_byte_s(choice, name), _modelled_first_token_s(choice, name, ex.stream)
             if name == decision.worker:
-                attempt = Attempt(self, worker, decision.reason, decision.prefill_s)
+                attempt = Attempt(self, worker, decision.reason, decision.prefill_s, *expected)
             else:
                 reason = "retry" if ex.attempts else "overload"
                 cost = self.loads.costs.get(name) or self.cost  # its own learned costs, if any
-                attempt = Attempt(self, worker, reason, cost.prefill_s(0, chain.total_tokens))
+                attempt = Attempt(self, worker, reason, cost.prefill_s(0, chain.total_tokens), *expected)
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
@@ -508,6 +509,29 @@ def _flow(ex: Exchange) -> Flow:
     """The request's flow in the fair-share queue: its tenant (weighted), or none."""
     tenant = ex.tenant
     return NO_FLOW if tenant is None else Flow(tenant.name, tenant.weight)
+
+
+def _expected_first_byte_s(choice: Routed, worker: str) -> float | None:
+    """What the outlier detector judges `worker`'s answer against (router/breaker.py): the
+    policy's predicted time to first byte there (0.0: a policy that predicts nothing), or
+    None if the worker had a queue when the request was sent (requests of the router's
+    awaiting their first byte there, or waiting in its engine). A queued answer says how
+    busy the worker is, which the policy already weighs, not whether it is sick."""
+    load = next((w for w in choice.loads if w.name == worker), None)
+    if load is None or load.prefilling or load.engine_waiting:
+        return None
+    return next((s.ttft_s for s in choice.decision.scores if s.worker == worker), 0.0)
+
+
+def _modelled_first_token_s(choice: Routed, worker: str, stream: bool) -> float | None:
+    """A streamed request's time to first token on `worker` as the cost model predicts it,
+    before any lag (`WorkerLoad.lag_s` measures how far the worker runs behind this); None
+    for a whole answer (its first byte comes after its decode) or a policy that predicts
+    nothing."""
+    if not stream:
+        return None
+    score = next((s for s in choice.decision.scores if s.worker == worker), None)
+    return None if score is None else max(score.ttft_s - score.load.lag_s, 0.0)
 
 
 def _dispatch_of(choice: Routed, worker: str) -> Dispatch | None:

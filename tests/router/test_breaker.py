@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from cache_client.base import EMPTY_VIEW
 from loadtests.routerproc import RouterProcess
+from normalizer.prefix import PrefixChain
 from router.breaker import (
     CLOSED,
     HALF_OPEN,
@@ -18,6 +20,8 @@ from router.breaker import (
     OutlierDetector,
     OutlierSettings,
 )
+from router.proxy.handler import _expected_first_byte_s
+from router.routing import CandidateScore, Routed, RouteDecision, WorkerLoad
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 
@@ -129,6 +133,42 @@ def test_outliers_by_error_rate_and_latency_within_the_ejection_budget() -> None
     assert members[1].breaker.open_until == clock.now + 20.0
 
 
+def test_a_busy_worker_is_judged_against_its_predicted_wait_not_ejected() -> None:
+    """Under load the worker with the longest queue answers 7x slower than the fleet's
+    median, as the policy predicted when it sent each request there: not an outlier. A
+    worker 10x slower than predicted (an engine that crawls) is."""
+    clock = Clock()
+    members = fleet_with(5, clock)
+    det = OutlierDetector(lambda: members, OutlierSettings(min_requests=10, latency_factor=5.0, latency_min_s=0.25))
+    for m in members:
+        for _ in range(20):
+            m.breaker.success(0.6, expected_s=0.4)  # 1.5x predicted: the fleet's usual error
+    for _ in range(20):
+        members[2].breaker.success(4.4, expected_s=3.0)  # a long queue, seen at dispatch
+    assert det.evaluate() == []
+    for m in members[:3] + members[4:]:
+        for _ in range(20):
+            m.breaker.success(0.6, expected_s=0.4)
+    for _ in range(20):
+        members[3].breaker.success(4.4, expected_s=0.3)  # nothing queued there explains it
+    assert det.evaluate() == ["w3"]
+    assert members[3].breaker.state is OPEN and members[2].breaker.state is CLOSED
+
+
+def test_without_predictions_raw_latency_is_judged() -> None:
+    """A cache-blind policy predicts nothing: the raw time to first byte decides, as before;
+    and one worker without predictions in the window puts the whole fleet on raw times."""
+    clock = Clock()
+    members = fleet_with(4, clock)
+    det = OutlierDetector(lambda: members, OutlierSettings(min_requests=10, latency_factor=5.0, latency_min_s=0.25))
+    for m in members:
+        for _ in range(20):
+            m.breaker.success(0.1, expected_s=0.1 if m.name != "w0" else None)
+    for _ in range(20):
+        members[1].breaker.success(3.0, expected_s=3.0)
+    assert det.evaluate() == ["w1"]
+
+
 def test_too_few_requests_are_not_judged() -> None:
     clock = Clock()
     members = fleet_with(3, clock)
@@ -161,3 +201,19 @@ def test_breaker_takes_a_failing_worker_out_and_a_probe_brings_it_back() -> None
                 served.add(resp.headers["x-kvroute-worker"])
             assert served == {"bad", "good"}
             assert 'kvroute_worker_circuit_open{worker="bad"} 0' in r.metrics()
+
+
+def test_only_answers_sent_to_a_worker_without_a_queue_are_timed() -> None:
+    """The handler's side of the rule: an answer is judged against the policy's prediction
+    if the worker had no queue when it was sent (nothing awaiting a first byte, nothing
+    waiting in its engine), and not at all otherwise."""
+    loads = (WorkerLoad("quiet"), WorkerLoad("queued", prefilling=1), WorkerLoad("engine", engine_waiting=2))
+    scores = tuple(
+        CandidateScore(1.0, 0.0, w.name, 0, 0, 0.2, 0.3 + i, True, w) for i, w in enumerate(loads)
+    )
+    routed = Routed(RouteDecision("quiet", "miss", scores=scores), PrefixChain((), (), 0), EMPTY_VIEW, loads)
+    assert _expected_first_byte_s(routed, "quiet") == 0.3
+    assert _expected_first_byte_s(routed, "queued") is None
+    assert _expected_first_byte_s(routed, "engine") is None
+    unscored = Routed(RouteDecision("quiet", "random"), PrefixChain((), (), 0), EMPTY_VIEW, loads)
+    assert _expected_first_byte_s(unscored, "quiet") == 0.0  # no prediction: the raw time is judged

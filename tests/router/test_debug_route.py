@@ -80,6 +80,7 @@ async def test_debug_route_reports_the_numbers_the_policy_ranked_by() -> None:
         assert row["predicted_ttft_s"] == score.ttft_s
         assert row["queued_prefill_s"] == score.load.queued_prefill_s
         assert row["prefilling"] == score.load.prefilling
+        assert row["lag_s"] == score.load.lag_s
         assert row["within_load_bound"] == score.within_bound
     assert why["cost_model"]["inflight_penalty_s"] == app.proxy.cost.inflight_penalty_s
     assert why["cost_model"]["step_s"] == app.proxy.cost.step_s

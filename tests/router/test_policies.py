@@ -52,6 +52,20 @@ def test_cache_aware_leaves_a_worker_whose_queue_costs_more_than_recompute() -> 
     assert d.reason == "miss"
 
 
+def test_cache_aware_prices_a_worker_running_behind_its_predictions() -> None:
+    """A pool-held conversation goes to the worker whose queue runs on time, not to the one
+    whose oldest request still waits 3 s longer than predicted (an engine out of KV
+    space), though the model's own queue figures favour the latter."""
+    c = chain("x" * 40_000, "y" * 40)
+    view = IndexView({POOL: 3})
+    behind = {"a": {"lag_s": 3.0}, "b": {"inflight": 4, "queued_prefill_s": 0.2}}
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b", **behind), COST)
+    assert d.worker == "b"
+    by_worker = {s.worker: s for s in d.scores}
+    assert by_worker["a"].ttft_s == pytest.approx(3.0 + by_worker["a"].prefill_s)
+    d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b", b=behind["b"]), COST)
+    assert d.worker == "a"  # without the lag, a looks the cheaper
+
 def test_cache_aware_pool_hit_charged_transfer_cost() -> None:
     c = chain("x" * 40_000, "y" * 40)
     view = IndexView({POOL: 3})
