@@ -424,7 +424,7 @@ class Proxy:
                 continue
             if not worker.breaker.begin():
                 continue
-            expected = _expected_first_byte_s(choice, name), _modelled_first_token_s(choice, name, ex.stream)
+            expected = _expected_first_token_s(choice, name, ex.stream)
             if name == decision.worker:
                 attempt = Attempt(self, worker, decision.reason, decision.prefill_s, *expected)
             else:
@@ -511,27 +511,24 @@ def _flow(ex: Exchange) -> Flow:
     return NO_FLOW if tenant is None else Flow(tenant.name, tenant.weight)
 
 
-def _expected_first_byte_s(choice: Routed, worker: str) -> float | None:
-    """What the outlier detector judges `worker`'s answer against (router/breaker.py): the
-    policy's predicted time to first byte there (0.0: a policy that predicts nothing), or
-    None if the worker had a queue when the request was sent (requests of the router's
-    awaiting their first byte there, or waiting in its engine). A queued answer says how
-    busy the worker is, which the policy already weighs, not whether it is sick."""
-    load = next((w for w in choice.loads if w.name == worker), None)
-    if load is None or load.prefilling or load.engine_waiting:
-        return None
-    return next((s.ttft_s for s in choice.decision.scores if s.worker == worker), 0.0)
+def _expected_first_token_s(choice: Routed, worker: str, stream: bool) -> tuple[float | None, float | None]:
+    """What an attempt on `worker` is measured against, from one look at the decision:
 
-
-def _modelled_first_token_s(choice: Routed, worker: str, stream: bool) -> float | None:
-    """A streamed request's time to first token on `worker` as the cost model predicts it,
-    before any lag (`WorkerLoad.lag_s` measures how far the worker runs behind this); None
-    for a whole answer (its first byte comes after its decode) or a policy that predicts
-    nothing."""
-    if not stream:
-        return None
+    * for the outlier detector (router/breaker.py): the policy's predicted time to first
+      byte there (0.0: a policy that predicts nothing), or None if the worker had a queue
+      when the request was sent (requests of the router's awaiting their first byte there,
+      or waiting in its engine). A queued answer says how busy the worker is, which the
+      policy already weighs, not whether it is sick;
+    * for the load board's lag (`WorkerLoad.lag_s`): a streamed request's time to first
+      token as the cost model predicts it, before any lag; None for a whole answer (its
+      first byte comes after its decode) or a policy that predicts nothing."""
     score = next((s for s in choice.decision.scores if s.worker == worker), None)
-    return None if score is None else max(score.ttft_s - score.load.lag_s, 0.0)
+    load = score.load if score is not None else next((w for w in choice.loads if w.name == worker), None)
+    judged = None
+    if load is not None and not load.prefilling and not load.engine_waiting:
+        judged = score.ttft_s if score is not None else 0.0
+    modelled = max(score.ttft_s - score.load.lag_s, 0.0) if stream and score is not None else None
+    return judged, modelled
 
 
 def _dispatch_of(choice: Routed, worker: str) -> Dispatch | None:

@@ -20,7 +20,7 @@ from router.breaker import (
     OutlierDetector,
     OutlierSettings,
 )
-from router.proxy.handler import _expected_first_byte_s
+from router.proxy.handler import _expected_first_token_s
 from router.routing import CandidateScore, Routed, RouteDecision, WorkerLoad
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
@@ -212,8 +212,8 @@ def test_only_answers_sent_to_a_worker_without_a_queue_are_timed() -> None:
         CandidateScore(1.0, 0.0, w.name, 0, 0, 0.2, 0.3 + i, True, w) for i, w in enumerate(loads)
     )
     routed = Routed(RouteDecision("quiet", "miss", scores=scores), PrefixChain((), (), 0), EMPTY_VIEW, loads)
-    assert _expected_first_byte_s(routed, "quiet") == 0.3
-    assert _expected_first_byte_s(routed, "queued") is None
-    assert _expected_first_byte_s(routed, "engine") is None
+    assert _expected_first_token_s(routed, "quiet", stream=False)[0] == 0.3
+    assert _expected_first_token_s(routed, "queued", stream=False)[0] is None
+    assert _expected_first_token_s(routed, "engine", stream=False)[0] is None
     unscored = Routed(RouteDecision("quiet", "random"), PrefixChain((), (), 0), EMPTY_VIEW, loads)
-    assert _expected_first_byte_s(unscored, "quiet") == 0.0  # no prediction: the raw time is judged
+    assert _expected_first_token_s(unscored, "quiet", stream=False)[0] == 0.0  # no prediction: the raw time is judged
