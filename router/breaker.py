@@ -120,12 +120,9 @@ class CircuitBreaker:
         return True
 
     # -- outcomes -----------------------------------------------------------------------
-    def success(self, latency_s: float | None = None, expected_s: float | None = None) -> None:
-        """An answer's first byte came `latency_s` after dispatch; the policy had predicted
-        `expected_s` (None: no prediction)."""
+    def success(self) -> None:
+        """An answer's first byte came (its time, if judged, goes to `timed`)."""
         self.win_ok += 1
-        if latency_s is not None:
-            self.timed(latency_s, expected_s)
         self.failures = 0
         if self.state is not CLOSED:
             log.info("worker %s: circuit closed (probe succeeded)", self.worker)

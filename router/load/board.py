@@ -29,7 +29,7 @@ class Ticket:
     started: float
     first_byte: bool = False
     done: bool = False
-    expected_s: float | None = None
+    modelled_s: float | None = None
     """The predicted time to its first token, excluding lag (None: not tracked for lag)."""
 
 
@@ -37,7 +37,7 @@ class LoadBoard(Protocol):
     costs: dict[str, CostModel]
 
     def snapshot(self, names: Iterable[str]) -> list[WorkerLoad]: ...
-    def acquire(self, worker: str, prefill_s: float, expected_s: float | None = None) -> Ticket: ...
+    def acquire(self, worker: str, prefill_s: float, modelled_s: float | None = None) -> Ticket: ...
     def first_byte(self, ticket: Ticket) -> None: ...
     def release(self, ticket: Ticket) -> None: ...
     def inflight(self, worker: str) -> int: ...
@@ -64,7 +64,7 @@ class _Counts:
         if not self.pending:
             return 0.0
         oldest = next(iter(self.pending.values()))
-        return max(now - oldest.started - (oldest.expected_s or 0.0), 0.0)
+        return max(now - oldest.started - (oldest.modelled_s or 0.0), 0.0)
 
 
 class LocalLoadBoard:
@@ -98,8 +98,8 @@ class LocalLoadBoard:
             ))  # fmt: skip
         return out
 
-    def acquire(self, worker: str, prefill_s: float, expected_s: float | None = None) -> Ticket:
-        """`expected_s`: the policy's predicted time to first token there, for a streamed
+    def acquire(self, worker: str, prefill_s: float, modelled_s: float | None = None) -> Ticket:
+        """`modelled_s`: the policy's predicted time to first token there, for a streamed
         request (its first byte is its first token); None leaves the request out of `lag_s`
         (a whole answer's first byte comes after its decode)."""
         now = self._clock()
@@ -109,8 +109,8 @@ class LocalLoadBoard:
         c.queued_prefill_s += prefill_s
         c.recent = self._recent(c, now) + 1.0
         c.recent_at = now
-        ticket = Ticket(worker, prefill_s, now, expected_s=expected_s)
-        if expected_s is not None:
+        ticket = Ticket(worker, prefill_s, now, modelled_s=modelled_s)
+        if modelled_s is not None:
             c.pending[id(ticket)] = ticket
         return ticket
 
@@ -122,7 +122,7 @@ class LocalLoadBoard:
         if c is not None:  # a worker forgotten meanwhile starts from zero
             c.queued_prefill_s -= ticket.prefill_s
             c.prefilling -= 1
-            if ticket.expected_s is not None:
+            if ticket.modelled_s is not None:
                 c.pending.pop(id(ticket), None)
 
     def release(self, ticket: Ticket) -> None:

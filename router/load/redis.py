@@ -198,9 +198,9 @@ class RedisLoadBoard(LocalLoadBoard):
             ))  # fmt: skip
         return out
 
-    def acquire(self, worker: str, prefill_s: float, expected_s: float | None = None) -> Ticket:
+    def acquire(self, worker: str, prefill_s: float, modelled_s: float | None = None) -> Ticket:
         self._start()
-        return super().acquire(worker, prefill_s, expected_s)
+        return super().acquire(worker, prefill_s, modelled_s)
 
     def inflight(self, worker: str) -> int:
         r = self._remote.get(worker)

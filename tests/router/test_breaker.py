@@ -33,6 +33,12 @@ class Clock:
         return self.now
 
 
+def answered(breaker: CircuitBreaker, latency_s: float, expected_s: float | None = None) -> None:
+    """A first byte `latency_s` after dispatch, judged against `expected_s`, as an attempt reports it."""
+    breaker.success()
+    breaker.timed(latency_s, expected_s)
+
+
 def test_breaker_opens_probes_backs_off_and_closes() -> None:
     clock = Clock()
     b = CircuitBreaker(BreakerSettings(failure_threshold=3, open_s=2.0, max_open_s=5.0), "w", clock)
@@ -103,14 +109,14 @@ def test_outliers_by_error_rate_and_latency_within_the_ejection_budget() -> None
                                                            latency_min_s=0.1, ejection_s=10.0))
     for m in members:
         for _ in range(20):
-            m.breaker.success(0.05)
+            answered(m.breaker, 0.05)
     for _ in range(30):  # w1 fails 64% of its requests, never 5 in a row: its breaker stays closed
         for _ in range(3):
             members[1].breaker.failure()
-        members[1].breaker.success(0.05)
+        answered(members[1].breaker, 0.05)
     assert members[1].breaker.state is CLOSED
     for _ in range(20):
-        members[2].breaker.success(2.0)  # w2 is slow: mean ~1 s against a median of 0.05 s
+        answered(members[2].breaker, 2.0)  # w2 is slow: mean ~1 s against a median of 0.05 s
     assert sorted(det.evaluate()) == ["w1", "w2"]
     assert members[1].breaker.state is OPEN and members[2].breaker.state is OPEN
     assert all(m.breaker.win_ok == 0 for m in members)  # windows reset
@@ -128,7 +134,7 @@ def test_outliers_by_error_rate_and_latency_within_the_ejection_budget() -> None
     for _ in range(20):
         members[1].breaker.failure()
         members[1].breaker.failures = 0
-        members[0].breaker.success(0.05)
+        answered(members[0].breaker, 0.05)
     assert det.evaluate() == ["w1"]
     assert members[1].breaker.open_until == clock.now + 20.0
 
@@ -142,15 +148,15 @@ def test_a_busy_worker_is_judged_against_its_predicted_wait_not_ejected() -> Non
     det = OutlierDetector(lambda: members, OutlierSettings(min_requests=10, latency_factor=5.0, latency_min_s=0.25))
     for m in members:
         for _ in range(20):
-            m.breaker.success(0.6, expected_s=0.4)  # 1.5x predicted: the fleet's usual error
+            answered(m.breaker, 0.6, expected_s=0.4)  # 1.5x predicted: the fleet's usual error
     for _ in range(20):
-        members[2].breaker.success(4.4, expected_s=3.0)  # a long queue, seen at dispatch
+        answered(members[2].breaker, 4.4, expected_s=3.0)  # a long queue, seen at dispatch
     assert det.evaluate() == []
     for m in members[:3] + members[4:]:
         for _ in range(20):
-            m.breaker.success(0.6, expected_s=0.4)
+            answered(m.breaker, 0.6, expected_s=0.4)
     for _ in range(20):
-        members[3].breaker.success(4.4, expected_s=0.3)  # nothing queued there explains it
+        answered(members[3].breaker, 4.4, expected_s=0.3)  # nothing queued there explains it
     assert det.evaluate() == ["w3"]
     assert members[3].breaker.state is OPEN and members[2].breaker.state is CLOSED
 
@@ -163,9 +169,9 @@ def test_without_predictions_raw_latency_is_judged() -> None:
     det = OutlierDetector(lambda: members, OutlierSettings(min_requests=10, latency_factor=5.0, latency_min_s=0.25))
     for m in members:
         for _ in range(20):
-            m.breaker.success(0.1, expected_s=0.1 if m.name != "w0" else None)
+            answered(m.breaker, 0.1, expected_s=0.1 if m.name != "w0" else None)
     for _ in range(20):
-        members[1].breaker.success(3.0, expected_s=3.0)
+        answered(members[1].breaker, 3.0, expected_s=3.0)
     assert det.evaluate() == ["w1"]
 
 

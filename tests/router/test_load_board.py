@@ -22,9 +22,9 @@ def lag(board: LocalLoadBoard, worker: str) -> float:
 def test_lag_is_the_oldest_waiting_streams_delay_beyond_its_prediction() -> None:
     clock = Clock()
     board = LocalLoadBoard(clock=clock)
-    first = board.acquire("w0", 0.1, expected_s=0.5)
+    first = board.acquire("w0", 0.1, modelled_s=0.5)
     clock.now += 1.0
-    second = board.acquire("w0", 0.1, expected_s=0.2)
+    second = board.acquire("w0", 0.1, modelled_s=0.2)
     whole = board.acquire("w0", 0.1)  # a whole answer: its first byte comes after decode
     assert lag(board, "w0") == pytest.approx(0.5)  # first: 1.0 s waited, 0.5 s predicted
     clock.now += 3.0
@@ -42,7 +42,7 @@ def test_lag_is_the_oldest_waiting_streams_delay_beyond_its_prediction() -> None
 def test_no_lag_while_requests_are_answered_in_their_predicted_time() -> None:
     clock = Clock()
     board = LocalLoadBoard(clock=clock)
-    ticket = board.acquire("w0", 0.1, expected_s=2.0)
+    ticket = board.acquire("w0", 0.1, modelled_s=2.0)
     clock.now += 1.5
     assert lag(board, "w0") == 0.0
     board.first_byte(ticket)
