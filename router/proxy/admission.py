@@ -26,6 +26,24 @@ Every release hands out as many free slots as the rule lets the waiters take, so
 waiters are woken as soon as it no longer holds them (a tenant held back holds slots, whose
 releases re-evaluate it: no hang), and the queue timeout still answers 429 + Retry-After.
 Slots are counted across the serving workers (`bind_slots`), whatever their models.
+
+Light tenants (fair queue only): a tenant that has been active for a while, has nothing
+waiting and holds fewer slots than its weighted share while another tenant is active
+(`Activity.light`). The reservation finds it a slot; but a prefill that shares engine steps
+with another one takes about twice as long, and the engine's scheduler does not know
+tenants. So the admission keeps other tenants' prefills away from a light tenant's:
+* while a light tenant's request awaits its first byte on a worker, no request of a tenant
+  holding at least its share is sent there (`mark`): a burst's requests arrive at every slot
+  that frees, and would join the prefill. (A tenant left below its share is not kept off: a
+  light tenant whose prefills follow each other must not starve the others of slots.)
+* while a light tenant's weighted share of the fleet is a worker or more, the others'
+  requests may not take the last worker with no prefill in flight: its next request finds
+  a worker whose engine steps hold no other prefill, as it would alone, even while its
+  previous one still prefills. A burst's first requests, which come upon every worker at
+  once, are what this keeps from one of them. (The others then prefill on all workers but
+  one: within their share, since the light tenant's is at least that one.)
+Each holds a request back by one prefill at most; their end (`unmark`) wakes the waiters.
+(Issue 16: a steady tenant beside a burst at 5× the fleet's capacity.)
 """
 
 from __future__ import annotations
@@ -36,12 +54,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from router.errors import RouterError
-from router.proxy.fair import NO_FLOW, Activity, FairQueue, FifoQueue, Flow, WaitQueue
+from router.proxy.fair import NO_FLOW, Activity, FairQueue, FifoQueue, Flow, WaitQueue, below_share
 
 
 class Admission:
     limits_inflight: ClassVar[bool] = True
-    """False for `NoAdmission`: the handler then skips `has_room` and `released` (calls
+    """False for `NoAdmission`: the handler then skips `room_for` and `released` (calls
     that could only say yes and do nothing, a few per request on the hot path)."""
 
     def __init__(
@@ -61,6 +79,10 @@ class Admission:
         reservation (`reserved_slots` in fair.py). None: no reservation (FIFO, as before)."""
         self.slots: Callable[[], tuple[int, int]] = lambda: (0, 0)
         """(free, total) slots across the serving workers (the proxy's, `bind_slots`)."""
+        self._guarded: dict[str, dict[str, int]] = {}
+        """Per worker, per tenant: light tenants' requests awaiting their first byte there."""
+        self._prefilling: dict[str, int] = {}
+        """Per worker: the other (not light) tenants' requests awaiting their first byte."""
 
     def use_queue(self, queue: WaitQueue) -> None:
         """Serve waiters in `queue`'s order (before the first request); a fair queue also
@@ -72,7 +94,7 @@ class Admission:
     def bind_slots(self, slots: Callable[[], tuple[int, int]]) -> None:
         self.slots = slots
 
-    # -- slot reservation (fair queue only) ------------------------------------------------
+    # -- slot reservation and light tenants (fair queue only) -------------------------------
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
@@ -100,6 +122,80 @@ class Admission:
         free -= self._handoffs - (1 if holding_turn else 0)
         return activity.may_take(flow, free, total, self._now())
 
+    def light(self, flow: Flow) -> bool:
+        """`flow` is a light tenant now (`Activity.light`): it keeps the others' prefills off
+        the workers it prefills on."""
+        activity = self.activity
+        return activity is not None and activity.light(flow, self.slots()[1], self._now())
+
+    def room_for(self, worker: str, inflight: int, flow: Flow = NO_FLOW, *, light: bool = False) -> bool:
+        """A request of `flow` may go to `worker`, which has `inflight` requests: the worker
+        is under its limit and keeps no prefill from it. A light tenant's request may go one
+        over the limit to a worker with no prefill in flight: the slot the reservation left
+        it may be on a worker whose engine is busy prefilling (it was let in by `may_take`,
+        so the fleet as a whole has a slot free)."""
+        if self.activity is None:
+            return inflight < self.per_worker
+        clean = worker not in self._prefilling and worker not in self._guarded
+        if inflight >= self.per_worker + (1 if light and clean else 0):
+            return False
+        guards = self._guarded.get(worker)
+        if guards and guards.keys() != {flow.name} and not self._below_share(flow):
+            return False
+        if not clean:
+            return True  # taking it keeps no clean worker from the light tenants
+        return not (self._last_clean_worker() and self._keeps_a_clean_worker(flow))
+
+    def _below_share(self, flow: Flow) -> bool:
+        activity = self.activity
+        assert activity is not None
+        weights = activity.active(self._now())
+        weights.setdefault(flow.name, flow.weight)
+        return below_share(flow.name, activity.inflight, weights, self.slots()[1])
+
+    def _workers(self) -> int:
+        return self.slots()[1] // self.per_worker if self.per_worker else 0
+
+    def _last_clean_worker(self) -> bool:
+        """At most one worker has no tenant's prefill in flight. A light tenant's prefill
+        counts: its next request must find a worker of its own, as it would alone."""
+        return self._workers() - len(self._prefilling.keys() | self._guarded.keys()) <= 1
+
+    def _keeps_a_clean_worker(self, flow: Flow) -> bool:
+        """Another tenant is light and its weighted share of the fleet is a worker or more:
+        the last worker with no prefill in flight is kept for it. (A share smaller than one
+        worker would not pay for keeping one: with ten tenants on four workers, none is.)"""
+        activity = self.activity
+        assert activity is not None
+        total, now = self.slots()[1], self._now()
+        workers = self._workers()
+        weights = activity.active(now)
+        weight_sum = sum(weights.values())
+        return any(
+            name != flow.name and workers * weight >= weight_sum and activity.light(Flow(name, weight), total, now)
+            for name, weight in weights.items()
+        )
+
+    def mark(self, worker: str, flow: Flow, *, light: bool) -> None:
+        """A tenant's request was sent to `worker`; its prefill is in flight until `unmark`."""
+        if light:
+            guards = self._guarded.setdefault(worker, {})
+            guards[flow.name] = guards.get(flow.name, 0) + 1
+        else:
+            self._prefilling[worker] = self._prefilling.get(worker, 0) + 1
+
+    def unmark(self, worker: str, flow: Flow, *, light: bool) -> None:
+        """That request's first byte came (or it ended): waiters kept off may go now."""
+        counts = self._guarded.get(worker, {}) if light else self._prefilling
+        key = flow.name if light else worker
+        left = counts.pop(key, 0) - 1
+        if left > 0:
+            counts[key] = left
+            return
+        if light and not counts:
+            self._guarded.pop(worker, None)
+        self.released()
+
     def _allowed(self, name: str) -> bool:
         assert self.activity is not None
         return self.may_take(Flow(name, self.activity.weights.get(name, 1.0)))
@@ -107,9 +203,6 @@ class Admission:
     def _reserving(self) -> bool:
         activity = self.activity
         return activity is not None and len(activity.active(self._now())) > 1
-
-    def has_room(self, inflight: int) -> bool:
-        return inflight < self.per_worker
 
     @property
     def queued(self) -> int:
@@ -243,7 +336,7 @@ class NoAdmission(Admission):
     def __init__(self) -> None:
         super().__init__(per_worker=0, queue_size=0, queue_timeout_s=0.0)
 
-    def has_room(self, inflight: int) -> bool:
+    def room_for(self, worker: str, inflight: int, flow: Flow = NO_FLOW, *, light: bool = False) -> bool:
         return True
 
     def busy(self, flow: Flow = NO_FLOW) -> bool:

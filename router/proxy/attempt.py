@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from router.breaker import CLOSED
 from router.proxy.exchange import Exchange
+from router.proxy.fair import Flow
 from router.proxy.relay import relay_stream, response_headers, send_whole
 from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError, UpstreamResponse
 from router.workers import Worker
@@ -43,7 +44,8 @@ class AttemptFailed(Exception):
 
 class Attempt:
     __slots__ = (
-        "chunks", "expected_s", "first_byte_s", "probing", "proxy", "reason", "sent_at", "ticket", "upstream", "worker",
+        "chunks", "expected_s", "first_byte_s", "marked", "probing", "proxy", "reason", "sent_at", "ticket", "upstream",
+        "worker",
     )  # fmt: skip
 
     def __init__(
@@ -69,12 +71,25 @@ class Attempt:
         output item, `relay_stream`): what cost learning fits."""
         self.sent_at = 0.0
         """When the request went to the worker (the event loop's clock)."""
+        self.marked: tuple[Flow, bool] | None = None
+        """A tenant's request (its flow, and whether it was light): its prefill is in flight
+        for the admission's fair share until its first token (`Admission.mark`)."""
+
+    def mark(self, flow: Flow, *, light: bool) -> None:
+        self.marked = (flow, light)
+        self.proxy.admission.mark(self.worker.name, flow, light=light)
+
+    def _unmark(self) -> None:
+        if self.marked is not None:
+            (flow, light), self.marked = self.marked, None
+            self.proxy.admission.unmark(self.worker.name, flow, light=light)
 
     # -- outcomes -----------------------------------------------------------------------
     def first_byte(self, latency_s: float | None) -> None:
         """The worker answered: its prefill leaves the queue; breaker and health see a success."""
         proxy = self.proxy
         proxy.loads.first_byte(self.ticket)
+        self._unmark()
         self.worker.breaker.success()
         if latency_s is not None:
             self._timed(latency_s)
@@ -91,6 +106,7 @@ class Attempt:
         queue, and its time is what cost learning fits (its first byte came before prefill)."""
         self.first_byte_s = now - self.sent_at
         self.proxy.loads.first_byte(self.ticket)
+        self._unmark()
         self._timed(self.first_byte_s)
 
     async def failed(self, why: str, passive_down: bool) -> None:
@@ -115,6 +131,7 @@ class Attempt:
         """The try is over, whatever its outcome: its ticket and its slot go back."""
         proxy = self.proxy
         proxy.loads.release(self.ticket)
+        self._unmark()
         if proxy.admission.limits_inflight:
             proxy.admission.released()
 

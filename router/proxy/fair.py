@@ -246,6 +246,16 @@ def may_take_slot(
     return free > reserved_slots(name, inflight, weights, demand, total)
 
 
+def below_share(name: str, inflight: Mapping[str, int], weights: Mapping[str, float], total: int) -> bool:
+    """Flow `name` holds fewer than its weighted share of the fleet's `total` slots while
+    other flows are active (`weights`: the active flows', `name`'s included). Alone, no
+    flow is below a share: there is nobody to be fair to."""
+    if len(weights) <= 1:
+        return False
+    weight_sum = sum(weights.values())
+    return weight_sum > 0 and inflight.get(name, 0) < total * weights.get(name, 0.0) / weight_sum
+
+
 class Activity:
     """Which flows are active and their recent demand: the inputs of `reserved_slots`.
 
@@ -263,6 +273,8 @@ class Activity:
         self._demand: dict[str, float] = {}
         self._updated: dict[str, float] = {}
         self._seen: dict[str, float] = {}
+        self._since: dict[str, float] = {}
+        """When each flow last became active (it had not been for `window_s`)."""
 
     def _advance(self, name: str, now: float) -> None:
         last = self._updated.get(name)
@@ -276,9 +288,15 @@ class Activity:
 
     def seen(self, flow: Flow, now: float) -> None:
         """A request of `flow` arrived."""
-        self.weights[flow.name] = flow.weight
-        self._advance(flow.name, now)
-        self._seen[flow.name] = now
+        name = flow.name
+        if not self._is_active(name, now):
+            self._since[name] = now
+        self.weights[name] = flow.weight
+        self._advance(name, now)
+        self._seen[name] = now
+
+    def _is_active(self, name: str, now: float) -> bool:
+        return bool(self.inflight.get(name) or self.waiting.get(name)) or self._seen.get(name, -math.inf) >= now - self.window_s
 
     def took(self, flow: Flow, now: float) -> None:
         self.seen(flow, now)
@@ -293,16 +311,23 @@ class Activity:
 
     def active(self, now: float) -> dict[str, float]:
         """The active flows' weights."""
-        horizon = now - self.window_s
-        return {
-            name: weight for name, weight in self.weights.items()
-            if self.inflight.get(name) or self.waiting.get(name) or self._seen.get(name, -math.inf) >= horizon
-        }
+        return {name: weight for name, weight in self.weights.items() if self._is_active(name, now)}
 
     def demand(self, now: float) -> dict[str, float]:
         for name in self._demand:
             self._advance(name, now)
         return dict(self._demand)
+
+    def light(self, flow: Flow, total: int, now: float) -> bool:
+        """`flow` has been active for `window_s`, has no request waiting and holds fewer slots
+        than its weighted share while another flow is active (`below_share`). A flow that
+        has just arrived is not light yet: a burst's first requests hold fewer slots than
+        its share too, and must not take the privileges of the steady flows it comes upon."""
+        if self.waiting.get(flow.name) or now - self._since.get(flow.name, now) < self.window_s:
+            return False
+        weights = self.active(now)
+        weights.setdefault(flow.name, flow.weight)
+        return below_share(flow.name, self.inflight, weights, total)
 
     def may_take(self, flow: Flow, free: int, total: int, now: float) -> bool:
         weights = self.active(now)

@@ -386,7 +386,7 @@ class Proxy:
         t0 = time.perf_counter()
         try:
             await admission.wait(
-                ex.queue_deadline, requeue=requeue, pass_on=requeue and (held_back or self._room_anywhere()),
+                ex.queue_deadline, requeue=requeue, pass_on=requeue and (held_back or self._room_anywhere(_flow(ex))),
                 flow=_flow(ex), held_back=held_back,
             )
         except RouterError:
@@ -405,8 +405,10 @@ class Proxy:
         max_attempts = self.settings.max_attempts
         full = False
         flow = NO_FLOW
+        light = False
         if admission.activity is not None:
             flow = _flow(ex)
+            light = admission.light(flow)
             if not admission.may_take(flow, holding_turn=ex.turn):
                 return "held"
         for name in (decision.worker, *decision.ranking):
@@ -419,7 +421,7 @@ class Proxy:
             worker = self.fleet.get(name)
             if worker is None or name in ex.tried or not worker.serving:
                 continue
-            if limits_inflight and not admission.has_room(self.loads.inflight(name)):
+            if limits_inflight and not admission.room_for(name, self.loads.inflight(name), flow, light=light):
                 full = True
                 continue
             if not worker.breaker.begin():
@@ -437,6 +439,8 @@ class Proxy:
             ex.attempts += 1
             ex.tried.add(name)
             admission.took(flow)
+            if admission.activity is not None:
+                attempt.mark(flow, light=light)
             if ex.attempts == 1 and ex.tenant is not None:
                 admission.charge(_flow(ex), chain.total_tokens)  # its fair share: served now
             # One try on one worker, inline rather than a coroutine of its own: every frame
@@ -481,10 +485,11 @@ class Proxy:
                 free += max(0, per_worker - inflight(w.name))
         return free, total
 
-    def _room_anywhere(self) -> bool:
-        """Some serving worker has a free slot (that this request could not use)."""
+    def _room_anywhere(self, flow: Flow) -> bool:
+        """Some serving worker has a slot free to `flow` (that this request could not use). A
+        slot on a worker guarding another tenant's prefill is not free to it."""
         admission = self.admission
-        return any(w.serving and admission.has_room(self.loads.inflight(w.name)) for w in self.fleet)
+        return any(w.serving and admission.room_for(w.name, self.loads.inflight(w.name), flow) for w in self.fleet)
 
     async def _record(self, worker: str, chain: PrefixChain) -> None:
         key_tokens = key_tokens_of(chain.cum_tokens)

@@ -7,7 +7,15 @@ import asyncio
 import orjson
 import pytest
 
-from router.proxy.fair import Activity, FairQueue, FifoQueue, Flow, may_take_slot, reserved_slots
+from router.proxy.fair import (
+    Activity,
+    FairQueue,
+    FifoQueue,
+    Flow,
+    below_share,
+    may_take_slot,
+    reserved_slots,
+)
 from router.tenants.limits import CONCURRENT, RATE, TOKENS, LocalLimits, retry_after, shared
 from router.tenants.model import TenantLimits
 
@@ -337,6 +345,115 @@ def test_a_waiter_queued_beside_a_free_slot_it_may_take_is_handed_it_at_once(loo
         assert not adm.busy(Flow("x"))
 
     loop.run_until_complete(scenario())
+
+
+def test_below_share_needs_another_active_flow() -> None:
+    assert not below_share("y", {"y": 0}, {"y": 1.0}, 16)  # alone: nobody to be fair to
+    assert below_share("y", {"x": 15, "y": 7}, EQUAL, 16)
+    assert not below_share("y", {"x": 8, "y": 8}, EQUAL, 16)
+    assert below_share("gold", {"gold": 11}, {"gold": 3.0, "x": 1.0}, 16)  # its share is 12
+    assert not below_share("x", {"x": 4}, {"gold": 3.0, "x": 1.0}, 16)
+
+
+def test_a_light_tenant_s_prefill_is_kept_apart(loop) -> None:
+    from router.proxy.admission import Admission
+
+    async def scenario() -> None:
+        adm = Admission(per_worker=2, queue_timeout_s=30.0)
+        adm.use_queue(FairQueue())
+        assert adm.activity is not None
+        adm.activity.window_s = -1.0  # active only while waiting or in flight: no clock in the test
+        adm.bind_slots(lambda: (0, 6))  # three workers, every slot taken
+        x, y = Flow("x"), Flow("y")
+        for _ in range(5):
+            adm.took(x)
+        adm.mark("w2", x, light=False)  # one of x's requests still prefilling, on w2
+        adm.took(y)  # y's request, on w0
+        adm.mark("w0", y, light=True)
+        waiting = asyncio.ensure_future(adm.wait(asyncio.get_running_loop().time() + 30.0, flow=x))
+        await asyncio.sleep(0)
+        # y holds 1 of its share (3 of 6): light; x, backlogged and over its share, is not.
+        assert adm.light(y) and not adm.light(x)
+        # Slots free on w0 and w2 while y's request on w0 awaits its first byte: x may not
+        # join that prefill, and may add to its own on w2 ...
+        assert not adm.room_for("w0", 1, x) and adm.room_for("w2", 1, x)
+        assert adm.room_for("w0", 1, y)  # (a tenant's own guard does not keep it off)
+        # ... but not take w1, the last worker with no prefill, kept for y's next request.
+        assert not adm.room_for("w1", 1, x)
+        # y's next request may go one over the limit there (the fleet had a slot free for it
+        # elsewhere, on a worker whose engine is prefilling), never two, and never onto a
+        # worker with a prefill in flight.
+        assert adm.room_for("w1", 2, y, light=True) and not adm.room_for("w1", 3, y, light=True)
+        assert not adm.room_for("w2", 2, y, light=True) and not adm.room_for("w1", 2, y)
+        # y's first byte wakes x's waiter (three slots free: one more than y's reservation).
+        assert not waiting.done()
+        adm.bind_slots(lambda: (3, 6))
+        adm.unmark("w0", y, light=True)
+        await asyncio.wait_for(waiting, 5.0)
+        adm.end_turn()
+        assert adm.room_for("w0", 1, x)
+        # Once y holds its share it is no longer light.
+        adm.took(y)
+        adm.took(y)
+        assert not adm.light(y)
+        # A guard keeps off only a tenant holding its share: x, left with less, is not kept
+        # off (light tenants' prefills one after another must not starve it of slots).
+        adm.mark("w0", y, light=True)
+        assert not adm.room_for("w0", 1, x)
+        for _ in range(3):
+            adm.gave_back(x)
+        assert adm.room_for("w0", 1, x)
+
+    loop.run_until_complete(scenario())
+
+
+def test_others_may_not_take_the_last_worker_free_of_their_prefills(loop) -> None:
+    from router.proxy.admission import Admission
+
+    async def scenario() -> None:
+        adm = Admission(per_worker=4, queue_timeout_s=30.0)
+        adm.use_queue(FairQueue())
+        assert adm.activity is not None
+        adm.activity.window_s = -1.0
+        adm.bind_slots(lambda: (10, 12))  # three workers
+        x, y = Flow("x"), Flow("y")
+        for _ in range(6):  # x holds its share: y's guards keep it off
+            adm.took(x)
+        adm.mark("w0", x, light=False)
+        assert adm.room_for("w1", 0, x)  # x alone: nobody to keep a worker for
+        adm.took(y)
+        adm.mark("w2", y, light=True)
+        adm.mark("w1", x, light=False)
+        # w0 and w1 prefill x's requests, w2 y's: x may add to its own workers, not to w2 ...
+        assert adm.room_for("w0", 1, x) and adm.room_for("w1", 1, x) and not adm.room_for("w2", 1, x)
+        adm.unmark("w2", y, light=True)
+        adm.gave_back(y)
+        adm.took(y)  # (y still active, its prefill over)
+        # ... nor to the last worker free of them, even unguarded; until one of its own ends.
+        assert not adm.room_for("w2", 1, x)
+        adm.unmark("w0", x, light=False)
+        assert adm.room_for("w2", 1, x)
+        # A light tenant's share smaller than a worker keeps none: with four tenants active
+        # on three workers, y's is three quarters of one.
+        adm.mark("w0", x, light=False)
+        assert not adm.room_for("w2", 1, x)
+        adm.took(Flow("z"))
+        adm.took(Flow("v"))
+        assert adm.light(y) and adm.room_for("w2", 1, x)
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_flow_just_arrived_is_not_light_yet() -> None:
+    act = Activity(window_s=5.0)
+    x, y = Flow("x"), Flow("y")
+    act.seen(y, 0.0)
+    act.took(y, 0.0)
+    act.seen(x, 5.0)  # x's burst arrives after y has been active for 5 s
+    assert act.light(y, 16, 5.0)
+    assert not act.light(x, 16, 5.0)  # below its share, but its burst has just begun
+    act.took(x, 9.0)
+    assert act.light(x, 16, 10.0)  # active for 5 s
 
 
 def test_token_events_count_a_vllm_chat_stream_s_tokens() -> None:
