@@ -42,6 +42,8 @@ tenants. So the admission keeps other tenants' prefills away from a light tenant
   previous one still prefills. A burst's first requests, which come upon every worker at
   once, are what this keeps from one of them. (The others then prefill on all workers but
   one: within their share, since the light tenant's is at least that one.)
+* a light tenant's request may go one over the per-worker limit to a worker with no
+  prefill in flight (`room_for`): the free slot that let it in may be on a busy one.
 Each holds a request back by one prefill at most; their end (`unmark`) wakes the waiters.
 (Issue 16: a steady tenant beside a burst at 5× the fleet's capacity.)
 """
