@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from router.errors import RouterError
-from router.proxy.fair import NO_FLOW, Activity, FairQueue, FifoQueue, Flow, WaitQueue, below_share
+from router.proxy.fair import NO_FLOW, Activity, FairQueue, FifoQueue, Flow, WaitQueue
 
 
 class Admission:
@@ -136,24 +136,18 @@ class Admission:
         over the limit to a worker with no prefill in flight: the slot the reservation left
         it may be on a worker whose engine is busy prefilling (it was let in by `may_take`,
         so the fleet as a whole has a slot free)."""
-        if self.activity is None:
+        activity = self.activity
+        if activity is None:
             return inflight < self.per_worker
         clean = worker not in self._prefilling and worker not in self._guarded
         if inflight >= self.per_worker + (1 if light and clean else 0):
             return False
         guards = self._guarded.get(worker)
-        if guards and guards.keys() != {flow.name} and not self._below_share(flow):
+        if guards and guards.keys() != {flow.name} and not activity.below_share(flow, self.slots()[1], self._now()):
             return False
         if not clean:
             return True  # taking it keeps no clean worker from the light tenants
         return not (self._last_clean_worker() and self._keeps_a_clean_worker(flow))
-
-    def _below_share(self, flow: Flow) -> bool:
-        activity = self.activity
-        assert activity is not None
-        weights = activity.active(self._now())
-        weights.setdefault(flow.name, flow.weight)
-        return below_share(flow.name, activity.inflight, weights, self.slots()[1])
 
     def _workers(self) -> int:
         return self.slots()[1] // self.per_worker if self.per_worker else 0

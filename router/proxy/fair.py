@@ -313,6 +313,16 @@ class Activity:
         """The active flows' weights."""
         return {name: weight for name, weight in self.weights.items() if self._is_active(name, now)}
 
+    def _active_with(self, flow: Flow, now: float) -> dict[str, float]:
+        """The active flows' weights, `flow`'s included (the one asking counts as active)."""
+        weights = self.active(now)
+        weights.setdefault(flow.name, flow.weight)
+        return weights
+
+    def below_share(self, flow: Flow, total: int, now: float) -> bool:
+        """`flow` holds fewer than its weighted share of `total` slots (`below_share`)."""
+        return below_share(flow.name, self.inflight, self._active_with(flow, now), total)
+
     def demand(self, now: float) -> dict[str, float]:
         for name in self._demand:
             self._advance(name, now)
@@ -325,13 +335,10 @@ class Activity:
         its share too, and must not take the privileges of the steady flows it comes upon."""
         if self.waiting.get(flow.name) or now - self._since.get(flow.name, now) < self.window_s:
             return False
-        weights = self.active(now)
-        weights.setdefault(flow.name, flow.weight)
-        return below_share(flow.name, self.inflight, weights, total)
+        return self.below_share(flow, total, now)
 
     def may_take(self, flow: Flow, free: int, total: int, now: float) -> bool:
-        weights = self.active(now)
-        weights.setdefault(flow.name, flow.weight)
+        weights = self._active_with(flow, now)
         if len(weights) <= 1:
             return free > 0
         return may_take_slot(flow.name, free, self.inflight, weights, self.demand(now), total)

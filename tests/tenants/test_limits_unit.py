@@ -7,6 +7,7 @@ import asyncio
 import orjson
 import pytest
 
+from router.proxy.admission import Admission
 from router.proxy.fair import (
     Activity,
     FairQueue,
@@ -276,15 +277,20 @@ def test_pop_only_hands_slots_to_flows_allowed(loop) -> None:
     assert queue.backlogged() == ["heavy"] and queue.pop() is heavy[0]
 
 
+def fair_admission(per_worker: int) -> Admission:
+    """An admission with the fair queue whose flows are active only while waiting or in flight
+    (no clock in these tests); bind its slots with `bind_slots`."""
+    adm = Admission(per_worker=per_worker, queue_timeout_s=30.0)
+    adm.use_queue(FairQueue())
+    assert adm.activity is not None
+    adm.activity.window_s = -1.0
+    return adm
+
+
 def test_admission_keeps_reserved_slots_for_the_light_tenant_then_wakes_the_heavy(loop) -> None:
     from router.errors import RouterError
-    from router.proxy.admission import Admission
-
     async def scenario() -> None:
-        adm = Admission(per_worker=4, queue_timeout_s=30.0)
-        adm.use_queue(FairQueue())
-        assert adm.activity is not None
-        adm.activity.window_s = -1.0  # active only while waiting or in flight: no clock in the test
+        adm = fair_admission(per_worker=4)
         free = [16]
         adm.bind_slots(lambda: (free[0], 16))
         x, y = Flow("x"), Flow("y")
@@ -332,8 +338,6 @@ def test_admission_keeps_reserved_slots_for_the_light_tenant_then_wakes_the_heav
 
 
 def test_a_waiter_queued_beside_a_free_slot_it_may_take_is_handed_it_at_once(loop) -> None:
-    from router.proxy.admission import Admission
-
     async def scenario() -> None:
         adm = Admission(per_worker=4, queue_timeout_s=30.0)
         adm.use_queue(FairQueue())
@@ -356,13 +360,8 @@ def test_below_share_needs_another_active_flow() -> None:
 
 
 def test_a_light_tenant_s_prefill_is_kept_apart(loop) -> None:
-    from router.proxy.admission import Admission
-
     async def scenario() -> None:
-        adm = Admission(per_worker=2, queue_timeout_s=30.0)
-        adm.use_queue(FairQueue())
-        assert adm.activity is not None
-        adm.activity.window_s = -1.0  # active only while waiting or in flight: no clock in the test
+        adm = fair_admission(per_worker=2)
         adm.bind_slots(lambda: (0, 6))  # three workers, every slot taken
         x, y = Flow("x"), Flow("y")
         for _ in range(5):
@@ -408,13 +407,8 @@ def test_a_light_tenant_s_prefill_is_kept_apart(loop) -> None:
 
 
 def test_others_may_not_take_the_last_worker_free_of_their_prefills(loop) -> None:
-    from router.proxy.admission import Admission
-
     async def scenario() -> None:
-        adm = Admission(per_worker=4, queue_timeout_s=30.0)
-        adm.use_queue(FairQueue())
-        assert adm.activity is not None
-        adm.activity.window_s = -1.0
+        adm = fair_admission(per_worker=4)
         adm.bind_slots(lambda: (10, 12))  # three workers
         x, y = Flow("x"), Flow("y")
         for _ in range(6):  # x holds its share: y's guards keep it off
