@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.sim_cluster(worke
 
 # Load balancing is not under test here: bounded loads off, so that only the index decides,
 # and the static cost model, so that timings do not: learned from answers that take a few
-# milliseconds here, a worker's costs follow whatever the shared machine's scheduler did to
-# them, and one fresh clone's CI run saw a conversation move (11 of 12 kept their worker).
+# milliseconds here, a worker's costs can follow whatever the shared machine's scheduler did
+# to them (the likely reason one fresh clone's CI run saw a conversation move: 11 of 12 kept
+# their worker).
 # The lookup budget is generous for the same reason: a starved event loop must not turn into
 # "Redis is slow" (the budget itself is tested in test_redis.py).
 ROUTER_ARGS = ["--load-factor", "100", "--cost-learning", "off"]
