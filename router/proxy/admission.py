@@ -143,28 +143,33 @@ class Admission:
         if inflight >= self.per_worker + (1 if light and clean else 0):
             return False
         guards = self._guarded.get(worker)
-        if guards and guards.keys() != {flow.name} and not activity.below_share(flow, self.slots()[1], self._now()):
+        guarded_from_flow = bool(guards) and guards.keys() != {flow.name}
+        if not (guarded_from_flow or clean):
+            return True  # taking it keeps no clean worker from the light tenants
+        # The fleet's slots are a scan of the workers: counted once per call, and only here.
+        total, now = self.slots()[1], self._now()
+        if guarded_from_flow and not activity.below_share(flow, total, now):
             return False
         if not clean:
-            return True  # taking it keeps no clean worker from the light tenants
-        return not (self._last_clean_worker() and self._keeps_a_clean_worker(flow))
+            return True
+        return not (self._last_clean_worker(total) and self._keeps_a_clean_worker(flow, total, now))
 
-    def _workers(self) -> int:
-        return self.slots()[1] // self.per_worker if self.per_worker else 0
+    def _workers(self, total: int) -> int:
+        """Workers in a fleet of `total` slots."""
+        return total // self.per_worker if self.per_worker else 0
 
-    def _last_clean_worker(self) -> bool:
+    def _last_clean_worker(self, total: int) -> bool:
         """At most one worker has no tenant's prefill in flight. A light tenant's prefill
         counts: its next request must find a worker of its own, as it would alone."""
-        return self._workers() - len(self._prefilling.keys() | self._guarded.keys()) <= 1
+        return self._workers(total) - len(self._prefilling.keys() | self._guarded.keys()) <= 1
 
-    def _keeps_a_clean_worker(self, flow: Flow) -> bool:
+    def _keeps_a_clean_worker(self, flow: Flow, total: int, now: float) -> bool:
         """Another tenant is light and its weighted share of the fleet is a worker or more:
         the last worker with no prefill in flight is kept for it. (A share smaller than one
         worker would not pay for keeping one: with ten tenants on four workers, none is.)"""
         activity = self.activity
         assert activity is not None
-        total, now = self.slots()[1], self._now()
-        workers = self._workers()
+        workers = self._workers(total)
         weights = activity.active(now)
         weight_sum = sum(weights.values())
         return any(

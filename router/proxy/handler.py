@@ -383,11 +383,12 @@ class Proxy:
         if not ex.queue_deadline:
             ex.queue_deadline = asyncio.get_running_loop().time() + admission.queue_timeout_s
         requeue, ex.turn = ex.turn, False
+        flow = _flow(ex)
         t0 = time.perf_counter()
         try:
             await admission.wait(
-                ex.queue_deadline, requeue=requeue, pass_on=requeue and (held_back or self._room_anywhere(_flow(ex))),
-                flow=_flow(ex), held_back=held_back,
+                ex.queue_deadline, requeue=requeue, pass_on=requeue and (held_back or self._room_anywhere(flow)),
+                flow=flow, held_back=held_back,
             )
         except RouterError:
             self.metrics.tenant_rejected(ex.tenant, "queue")
