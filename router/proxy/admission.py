@@ -30,21 +30,34 @@ Slots are counted across the serving workers (`bind_slots`), whatever their mode
 Light tenants (fair queue only): a tenant that has been active for a while, has nothing
 waiting and holds fewer slots than its weighted share while another tenant is active
 (`Activity.light`). The reservation finds it a slot; but a prefill that shares engine steps
-with another one takes about twice as long, and the engine's scheduler does not know
-tenants. So the admission keeps other tenants' prefills away from a light tenant's:
-* while a light tenant's request awaits its first byte on a worker, no request of a tenant
-  holding at least its share is sent there (`mark`): a burst's requests arrive at every slot
-  that frees, and would join the prefill. (A tenant left below its share is not kept off: a
-  light tenant whose prefills follow each other must not starve the others of slots.)
+with another one takes about twice as long, a prefill that arrives behind another one waits
+for it, and the engine's scheduler does not know tenants. So the admission keeps the other
+tenants' prefills away from a light tenant's:
+* while a light tenant's request awaits its first byte on a worker, no other tenant's
+  request is sent there (`mark`): a burst's requests arrive at every slot that frees, and
+  would join the prefill;
 * while a light tenant's weighted share of the fleet is a worker or more, the others'
   requests may not take the last worker with no prefill in flight: its next request finds
   a worker whose engine steps hold no other prefill, as it would alone, even while its
   previous one still prefills. A burst's first requests, which come upon every worker at
-  once, are what this keeps from one of them. (The others then prefill on all workers but
-  one: within their share, since the light tenant's is at least that one.)
+  once, are what this keeps from one of them;
+* meanwhile the others send a worker one prefill at a time: the next waits in the router
+  until the previous one's first byte, not in the engine's queue. A worker then frees of
+  prefills as soon as the one it runs ends (the rule above keeps it for the light tenant
+  from there), and a light tenant's request that finds no such worker waits behind one
+  prefill, not a queue of them. The engine loses little: a prefill costs the same steps
+  whether it queued there or came a moment later;
+* a light tenant's request whose worker (the policy's choice) has a prefill in flight
+  goes to one with none, or else behind the fewest prefills, the current one begun first
+  (`light_order`): it waits for them all, and the one begun first ends first;
 * a light tenant's request may go one over the per-worker limit to a worker with no
   prefill in flight (`room_for`): the free slot that let it in may be on a busy one.
-Each holds a request back by one prefill at most; their end (`unmark`) wakes the waiters.
+None of these starve the others: a tenant whom the light tenants' prefills keep from every
+worker is kept from none (nor from the last clean one when it is the only worker left to
+it), and the slot reservation is unchanged. Each holds a request back by one prefill at
+most; their end (`unmark`) wakes the waiters. A whole (non-streamed) answer's first byte
+comes after its decode, so its prefill counts as over when the cost model expected it to
+end (`Attempt.mark`).
 (Issue 16: a steady tenant beside a burst at 5× the fleet's capacity.)
 """
 
@@ -85,6 +98,9 @@ class Admission:
         """Per worker, per tenant: light tenants' requests awaiting their first byte there."""
         self._prefilling: dict[str, int] = {}
         """Per worker: the other (not light) tenants' requests awaiting their first byte."""
+        self._prefill_since: dict[str, float] = {}
+        """Per worker with a prefill in flight: when the one its engine runs now began (the
+        first mark, or the last unmark that left others: engines prefill in arrival order)."""
 
     def use_queue(self, queue: WaitQueue) -> None:
         """Serve waiters in `queue`'s order (before the first request); a fair queue also
@@ -144,41 +160,71 @@ class Admission:
             return False
         guards = self._guarded.get(worker)
         guarded_from_flow = bool(guards) and guards.keys() != {flow.name}
-        if not (guarded_from_flow or clean):
-            return True  # taking it keeps no clean worker from the light tenants
+        stacking = not light and worker in self._prefilling
+        if not (guarded_from_flow or clean or stacking):
+            return True  # taking it keeps no worker from the light tenants
         # The fleet's slots are a scan of the workers: counted once per call, and only here.
         total, now = self.slots()[1], self._now()
-        if guarded_from_flow and not activity.below_share(flow, total, now):
+        usable = self._workers(total) - self._guarded_from(flow)
+        if usable < 1:
+            return True  # never starved: the light tenants' guards hold every worker
+        if guarded_from_flow:
             return False
-        if not clean:
+        if not self._keeps_workers_for_light(flow, total, now):
             return True
-        return not (self._last_clean_worker(total) and self._keeps_a_clean_worker(flow, total, now))
+        if stacking:
+            return False
+        # A clean worker is kept only if `flow` still has another one to prefill on.
+        return not (self._last_clean_worker(total) and usable > 1)
 
     def _workers(self, total: int) -> int:
         """Workers in a fleet of `total` slots."""
         return total // self.per_worker if self.per_worker else 0
+
+    def _guarded_from(self, flow: Flow) -> int:
+        """Workers where another tenant's light prefill is in flight (kept from `flow`)."""
+        return sum(1 for guards in self._guarded.values() if guards.keys() != {flow.name})
 
     def _last_clean_worker(self, total: int) -> bool:
         """At most one worker has no tenant's prefill in flight. A light tenant's prefill
         counts: its next request must find a worker of its own, as it would alone."""
         return self._workers(total) - len(self._prefilling.keys() | self._guarded.keys()) <= 1
 
-    def _keeps_a_clean_worker(self, flow: Flow, total: int, now: float) -> bool:
+    def _keeps_workers_for_light(self, flow: Flow, total: int, now: float) -> bool:
         """Another tenant is light and its weighted share of the fleet is a worker or more:
-        the last worker with no prefill in flight is kept for it. (A share smaller than one
-        worker would not pay for keeping one: with ten tenants on four workers, none is.)"""
+        the last worker with no prefill in flight is kept for it, and the others prefill one
+        request at a time per worker. (A share smaller than one worker would not pay for
+        keeping one: with ten tenants on four workers, none is.)"""
         activity = self.activity
         assert activity is not None
         workers = self._workers(total)
         weights = activity.active(now)
         weight_sum = sum(weights.values())
         return any(
-            name != flow.name and workers * weight >= weight_sum and activity.light(Flow(name, weight), total, now)
+            name != flow.name and workers * weight >= weight_sum and activity.light(Flow(name, weight), total, now, weights)
             for name, weight in weights.items()
         )
 
+    def light_order(self, ranking: list[str]) -> list[str]:
+        """Where a light tenant's request should try (the policy's `ranking`, best first):
+        as ranked if the first has no prefill in flight; else the workers with none first
+        (in ranked order), then the others by how many prefills they have in flight and how
+        long the current one has run. A request sent behind prefills waits for all of them;
+        of single ones, the one begun first ends first."""
+        if not ranking or self._in_flight(ranking[0]) == 0:
+            return ranking
+        never = float("inf")
+        return sorted(ranking, key=lambda name: (self._in_flight(name), self._prefill_since.get(name, never)))
+
+    def _in_flight(self, worker: str) -> int:
+        """Prefills in flight on `worker`, light tenants' and the others'."""
+        guards = self._guarded.get(worker)
+        return self._prefilling.get(worker, 0) + (sum(guards.values()) if guards else 0)
+
     def mark(self, worker: str, flow: Flow, *, light: bool) -> None:
         """A tenant's request was sent to `worker`; its prefill is in flight until `unmark`."""
+        if worker not in self._prefilling and worker not in self._guarded:
+            self._prefill_since[worker] = self._now()
         if light:
             guards = self._guarded.setdefault(worker, {})
             guards[flow.name] = guards.get(flow.name, 0) + 1
@@ -192,10 +238,14 @@ class Admission:
         left = counts.pop(key, 0) - 1
         if left > 0:
             counts[key] = left
-            return
-        if light and not counts:
+        elif light and not counts:
             self._guarded.pop(worker, None)
-        self.released()
+        if worker in self._prefilling or worker in self._guarded:
+            self._prefill_since[worker] = self._now()  # the next one in its engine begins
+        else:
+            self._prefill_since.pop(worker, None)
+        if left <= 0:
+            self.released()
 
     def _allowed(self, name: str) -> bool:
         assert self.activity is not None

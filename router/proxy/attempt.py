@@ -44,8 +44,8 @@ class AttemptFailed(Exception):
 
 class Attempt:
     __slots__ = (
-        "chunks", "expected_s", "first_byte_s", "marked", "probing", "proxy", "reason", "sent_at", "ticket", "upstream",
-        "worker",
+        "chunks", "expected_s", "first_byte_s", "marked", "prefill_over", "probing", "proxy", "reason", "sent_at", "ticket",
+        "upstream", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -74,12 +74,24 @@ class Attempt:
         self.marked: tuple[Flow, bool] | None = None
         """A tenant's request (its flow, and whether it was light): its prefill is in flight
         for the admission's fair share until its first token (`Admission.mark`)."""
+        self.prefill_over: asyncio.TimerHandle | None = None
+        """A whole answer's mark ends when its prefill is expected to (`mark`)."""
 
-    def mark(self, flow: Flow, *, light: bool) -> None:
+    def mark(self, flow: Flow, *, light: bool, stream: bool) -> None:
+        """The request's prefill is in flight for the admission until its first token. A
+        whole answer's first byte comes after its decode: its prefill is taken to end when
+        the cost model expected it to (its predicted prefill), or with the answer if the
+        policy predicted none."""
         self.marked = (flow, light)
         self.proxy.admission.mark(self.worker.name, flow, light=light)
+        expected_s = self.ticket.prefill_s
+        if not stream and expected_s > 0:
+            self.prefill_over = asyncio.get_running_loop().call_later(expected_s, self._unmark)
 
     def _unmark(self) -> None:
+        if self.prefill_over is not None:
+            self.prefill_over.cancel()
+            self.prefill_over = None
         if self.marked is not None:
             (flow, light), self.marked = self.marked, None
             self.proxy.admission.unmark(self.worker.name, flow, light=light)

@@ -412,7 +412,10 @@ class Proxy:
             light = admission.light(flow)
             if not admission.may_take(flow, holding_turn=ex.turn):
                 return "held"
-        for name in (decision.worker, *decision.ranking):
+        ranking = [decision.worker, *decision.ranking]
+        if light:
+            ranking = admission.light_order(ranking)
+        for name in ranking:
             if ex.attempts >= max_attempts:
                 break
             if ex.disconnected:
@@ -441,7 +444,7 @@ class Proxy:
             ex.tried.add(name)
             admission.took(flow)
             if admission.activity is not None:
-                attempt.mark(flow, light=light)
+                attempt.mark(flow, light=light, stream=ex.stream)
             if ex.attempts == 1 and ex.tenant is not None:
                 admission.charge(_flow(ex), chain.total_tokens)  # its fair share: served now
             # One try on one worker, inline rather than a coroutine of its own: every frame

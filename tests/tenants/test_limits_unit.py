@@ -374,8 +374,8 @@ def test_a_light_tenant_s_prefill_is_kept_apart(loop) -> None:
         # y holds 1 of its share (3 of 6): light; x, backlogged and over its share, is not.
         assert adm.light(y) and not adm.light(x)
         # Slots free on w0 and w2 while y's request on w0 awaits its first byte: x may not
-        # join that prefill, and may add to its own on w2 ...
-        assert not adm.room_for("w0", 1, x) and adm.room_for("w2", 1, x)
+        # join that prefill, nor queue a second one behind its own on w2 (one at a time) ...
+        assert not adm.room_for("w0", 1, x) and not adm.room_for("w2", 1, x)
         assert adm.room_for("w0", 1, y)  # (a tenant's own guard does not keep it off)
         # ... but not take w1, the last worker with no prefill, kept for y's next request.
         assert not adm.room_for("w1", 1, x)
@@ -395,14 +395,12 @@ def test_a_light_tenant_s_prefill_is_kept_apart(loop) -> None:
         adm.took(y)
         adm.took(y)
         assert not adm.light(y)
-        # A guard keeps off only a tenant holding its share: x, left with less, is not kept
-        # off (light tenants' prefills one after another must not starve it of slots).
+        # A guard keeps others off whatever they hold (a burst held to less than its share of
+        # slots by a light tenant's requests would otherwise join their prefills).
         adm.mark("w0", y, light=True)
-        assert not adm.room_for("w0", 1, x)
         for _ in range(3):
             adm.gave_back(x)
-        assert adm.room_for("w0", 1, x)
-
+        assert not adm.room_for("w0", 1, x)
     loop.run_until_complete(scenario())
 
 
@@ -418,8 +416,9 @@ def test_others_may_not_take_the_last_worker_free_of_their_prefills(loop) -> Non
         adm.took(y)
         adm.mark("w2", y, light=True)
         adm.mark("w1", x, light=False)
-        # w0 and w1 prefill x's requests, w2 y's: x may add to its own workers, not to w2 ...
-        assert adm.room_for("w0", 1, x) and adm.room_for("w1", 1, x) and not adm.room_for("w2", 1, x)
+        # w0 and w1 prefill x's requests, w2 y's: x may not add to w2, nor a second prefill to
+        # its own workers (it sends them one at a time while y is light) ...
+        assert not adm.room_for("w0", 1, x) and not adm.room_for("w1", 1, x) and not adm.room_for("w2", 1, x)
         adm.unmark("w2", y, light=True)
         adm.gave_back(y)
         adm.took(y)  # (y still active, its prefill over)
@@ -433,7 +432,88 @@ def test_others_may_not_take_the_last_worker_free_of_their_prefills(loop) -> Non
         assert not adm.room_for("w2", 1, x)
         adm.took(Flow("z"))
         adm.took(Flow("v"))
-        assert adm.light(y) and adm.room_for("w2", 1, x)
+        assert adm.light(y) and adm.room_for("w2", 1, x) and adm.room_for("w0", 1, x)
+
+    loop.run_until_complete(scenario())
+
+
+def test_light_tenants_never_keep_another_from_every_worker(loop) -> None:
+    async def scenario() -> None:
+        adm = fair_admission(per_worker=4)
+        adm.bind_slots(lambda: (8, 12))  # three workers
+        x, y = Flow("x"), Flow("y")
+        for _ in range(3):
+            adm.took(y)
+        adm.took(x)
+        adm.mark("w0", y, light=True)
+        adm.mark("w1", y, light=True)
+        assert adm.light(y)
+        # w2 is the last worker free of prefills and the only one left to x: x may take it.
+        assert adm.room_for("w2", 0, x) and not adm.room_for("w0", 1, x)
+        adm.mark("w2", x, light=False)
+        # y's third request joins x's prefill on w2 (y is light: nothing keeps it off). x,
+        # kept from no worker by y's guards until now, would be kept from all three: it may
+        # go to any of them rather than wait for y's prefills, however many y sends.
+        adm.mark("w2", y, light=True)
+        assert all(adm.room_for(w, 1, x) for w in ("w0", "w1", "w2"))
+        adm.unmark("w1", y, light=True)
+        assert adm.room_for("w1", 1, x) and not adm.room_for("w0", 1, x)
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_light_request_goes_where_no_prefill_runs_or_where_one_began_first(loop) -> None:
+    async def scenario() -> None:
+        adm = fair_admission(per_worker=4)
+        adm.bind_slots(lambda: (8, 16))
+        x, y = Flow("x"), Flow("y")
+        assert adm.light_order(["w0", "w1", "w2", "w3"]) == ["w0", "w1", "w2", "w3"]
+        adm.mark("w2", x, light=False)
+        await asyncio.sleep(0.01)
+        adm.mark("w0", x, light=False)
+        await asyncio.sleep(0.01)
+        adm.mark("w1", y, light=True)
+        # The policy's first choice runs no prefill: its ranking stands.
+        assert adm.light_order(["w3", "w0", "w1", "w2"]) == ["w3", "w0", "w1", "w2"]
+        # Else the workers running none first, then the others by when their prefill began.
+        assert adm.light_order(["w0", "w1", "w2", "w3"]) == ["w3", "w2", "w0", "w1"]
+        # A second prefill queued on w2 (y's, say): w2 goes last, it has two to wait for ...
+        adm.mark("w2", y, light=True)
+        assert adm.light_order(["w2", "w1", "w0"]) == ["w0", "w1", "w2"]
+        # ... and once the first ends, the second has just begun.
+        await asyncio.sleep(0.01)
+        adm.unmark("w2", x, light=False)
+        assert adm.light_order(["w2", "w1", "w0"]) == ["w0", "w1", "w2"]
+        adm.unmark("w2", y, light=True)
+        assert adm.light_order(["w0", "w2"]) == ["w2", "w0"]
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_whole_answer_s_prefill_counts_as_over_when_it_was_predicted_to_end(loop) -> None:
+    from types import SimpleNamespace
+
+    from router.load.board import LocalLoadBoard
+    from router.proxy.attempt import Attempt
+    from router.workers import Worker
+
+    async def scenario() -> None:
+        adm = fair_admission(per_worker=4)
+        adm.bind_slots(lambda: (8, 8))
+        proxy = SimpleNamespace(admission=adm, loads=LocalLoadBoard())
+        whole = Attempt(proxy, Worker("w0", "http://w0.test"), "cache_hit", prefill_s=0.05)  # type: ignore[arg-type]
+        streamed = Attempt(proxy, Worker("w1", "http://w1.test"), "cache_hit", prefill_s=0.05)  # type: ignore[arg-type]
+        whole.mark(Flow("x"), light=False, stream=False)
+        streamed.mark(Flow("x"), light=False, stream=True)
+        assert adm._prefilling == {"w0": 1, "w1": 1}
+        # Its first byte comes after its decode: the admission stops counting it as
+        # prefilling at the predicted end of its prefill; a stream at its first byte (or
+        # its end).
+        await asyncio.sleep(0.2)
+        assert adm._prefilling == {"w1": 1}
+        whole.release()
+        streamed.release()
+        assert adm._prefilling == {}
 
     loop.run_until_complete(scenario())
 
