@@ -27,12 +27,12 @@ waiters are woken as soon as it no longer holds them (a tenant held back holds s
 releases re-evaluate it: no hang), and the queue timeout still answers 429 + Retry-After.
 Slots are counted across the serving workers (`bind_slots`), whatever their models.
 
-Light tenants (fair queue only): a tenant that has been active for a while, has nothing
-waiting and holds fewer slots than its weighted share while another tenant is active
-(`Activity.light`). The reservation finds it a slot; but a prefill that shares engine steps
-with another one takes about twice as long, a prefill that arrives behind another one waits
-for it, and the engine's scheduler does not know tenants. So the admission keeps the other
-tenants' prefills away from a light tenant's:
+Light tenants (fair queue only): a tenant that has been active for a while and whose
+requests in flight and waiting are fewer than its weighted share of the slots while another
+tenant is active (`Activity.light`). The reservation finds it a slot; but a prefill that
+shares engine steps with another one takes about twice as long, a prefill that arrives
+behind another one waits for it, and the engine's scheduler does not know tenants. So the
+admission keeps the other tenants' prefills away from a light tenant's:
 * while a light tenant's request awaits its first byte on a worker, no other tenant's
   request is sent there (`mark`): a burst's requests arrive at every slot that frees, and
   would join the prefill;
@@ -49,7 +49,9 @@ tenants' prefills away from a light tenant's:
   whether it queued there or came a moment later;
 * a light tenant's request whose worker (the policy's choice) has a prefill in flight
   goes to one with none, or else behind the fewest prefills, the current one begun first
-  (`light_order`): it waits for them all, and the one begun first ends first;
+  (`light_order`): it waits for them all, and the one begun first ends first. Only to a
+  worker where its own prefill costs no more than the wait (a cached prefix is not
+  recomputed for longer than the queue it avoids);
 * a light tenant's request may go one over the per-worker limit to a worker with no
   prefill in flight (`room_for`): the free slot that let it in may be on a busy one.
 None of these starve the others: a tenant whom the light tenants' prefills keep from every
@@ -64,7 +66,7 @@ end (`Attempt.mark`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -205,16 +207,28 @@ class Admission:
             for name, weight in weights.items()
         )
 
-    def light_order(self, ranking: list[str]) -> list[str]:
+    def light_order(
+        self, ranking: list[str], no_dearer: Callable[[], Collection[str] | None] = lambda: None
+    ) -> list[str]:
         """Where a light tenant's request should try (the policy's `ranking`, best first):
         as ranked if the first has no prefill in flight; else the workers with none first
         (in ranked order), then the others by how many prefills they have in flight and how
         long the current one has run. A request sent behind prefills waits for all of them;
-        of single ones, the one begun first ends first."""
+        of single ones, the one begun first ends first. `no_dearer()`: the workers where
+        its own prefill costs no more than its prefill and queue on the first (the others,
+        which would recompute a cached prefix for longer than the wait, keep their places
+        after these); None: every worker (a policy that prices nothing)."""
         if not ranking or self._in_flight(ranking[0]) == 0:
             return ranking
+        movable = no_dearer()
         never = float("inf")
-        return sorted(ranking, key=lambda name: (self._in_flight(name), self._prefill_since.get(name, never)))
+
+        def place(name: str) -> tuple[int, int, float]:
+            if movable is not None and name not in movable:
+                return (1, 0, 0.0)  # after the others, in ranked order
+            return (0, self._in_flight(name), self._prefill_since.get(name, never))
+
+        return sorted(ranking, key=place)
 
     def _in_flight(self, worker: str) -> int:
         """Prefills in flight on `worker`, light tenants' and the others'."""

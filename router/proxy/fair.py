@@ -319,25 +319,25 @@ class Activity:
         weights.setdefault(flow.name, flow.weight)
         return weights
 
-    def below_share(self, flow: Flow, total: int, now: float, active: dict[str, float] | None = None) -> bool:
-        """`flow` holds fewer than its weighted share of `total` slots (`below_share`).
-        `active`: the active flows' weights if the caller has them (`active(now)`)."""
-        weights = self._active_with(flow, now) if active is None else {flow.name: flow.weight, **active}
-        return below_share(flow.name, self.inflight, weights, total)
-
     def demand(self, now: float) -> dict[str, float]:
         for name in self._demand:
             self._advance(name, now)
         return dict(self._demand)
 
     def light(self, flow: Flow, total: int, now: float, active: dict[str, float] | None = None) -> bool:
-        """`flow` has been active for `window_s`, has no request waiting and holds fewer slots
-        than its weighted share while another flow is active (`below_share`). A flow that
-        has just arrived is not light yet: a burst's first requests hold fewer slots than
-        its share too, and must not take the privileges of the steady flows it comes upon."""
-        if self.waiting.get(flow.name) or now - self._since.get(flow.name, now) < self.window_s:
+        """`flow` has been active for `window_s` and its requests in flight and waiting are
+        fewer than its weighted share of `total` slots while another flow is active. A flow
+        that has just arrived is not light yet: a burst's first requests hold fewer slots
+        than its share too, and must not take the privileges of the steady flows it comes
+        upon. (A request waiting a moment does not end it: a light tenant's arrival queues
+        for an instant whenever the others have waiters a free slot is handed to, and the
+        others' requests sent in that instant would skip the rules that keep them apart.)"""
+        name = flow.name
+        if now - self._since.get(name, now) < self.window_s:
             return False
-        return self.below_share(flow, total, now, active)
+        weights = self._active_with(flow, now) if active is None else {name: flow.weight, **active}
+        demand = {name: self.inflight.get(name, 0) + self.waiting.get(name, 0)}
+        return below_share(name, demand, weights, total)
 
     def may_take(self, flow: Flow, free: int, total: int, now: float) -> bool:
         weights = self._active_with(flow, now)

@@ -50,7 +50,7 @@ from router.proxy.relay import send_whole
 from router.proxy.settings import ProxySettings
 from router.proxy.stateful import Learner, ResponsesAffinity, owner_unavailable, previous_id
 from router.proxy.upstream import Headers, UpstreamClient, UpstreamResponse, make_upstream_client
-from router.routing import Routed, RouteRequest
+from router.routing import Routed, RouteDecision, RouteRequest
 from router.tenants.enforce import OverLimit
 from router.tenants.limits import REASONS
 from router.workers import Fleet, Worker
@@ -414,7 +414,7 @@ class Proxy:
                 return "held"
         ranking = [decision.worker, *decision.ranking]
         if light:
-            ranking = admission.light_order(ranking)
+            ranking = admission.light_order(ranking, lambda: _no_dearer(decision))
         for name in ranking:
             if ex.attempts >= max_attempts:
                 break
@@ -518,6 +518,16 @@ def _flow(ex: Exchange) -> Flow:
     """The request's flow in the fair-share queue: its tenant (weighted), or none."""
     tenant = ex.tenant
     return NO_FLOW if tenant is None else Flow(tenant.name, tenant.weight)
+
+
+def _no_dearer(decision: RouteDecision) -> frozenset[str] | None:
+    """The workers where the request's own prefill costs no more than its prefill and the
+    queued prefill on the policy's choice (None: the policy priced no candidates)."""
+    chosen = next((s for s in decision.scores if s.worker == decision.worker), None)
+    if chosen is None:
+        return None
+    budget_s = chosen.prefill_s + chosen.load.queued_prefill_s
+    return frozenset(s.worker for s in decision.scores if s.prefill_s <= budget_s)
 
 
 def _expected_first_token_s(choice: Routed, worker: str, stream: bool) -> tuple[float | None, float | None]:

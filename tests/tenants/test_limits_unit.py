@@ -486,6 +486,10 @@ def test_a_light_request_goes_where_no_prefill_runs_or_where_one_began_first(loo
         assert adm.light_order(["w2", "w1", "w0"]) == ["w0", "w1", "w2"]
         adm.unmark("w2", y, light=True)
         assert adm.light_order(["w0", "w2"]) == ["w2", "w0"]
+        # Where its prefill would cost more than waiting on the first (a cached prefix
+        # there, none elsewhere), a worker keeps its ranked place after the others.
+        assert adm.light_order(["w0", "w3", "w2", "w1"], lambda: {"w0", "w1"}) == ["w0", "w1", "w3", "w2"]
+        assert adm.light_order(["w1", "w3", "w2", "w0"], lambda: {"w0", "w1", "w2"}) == ["w2", "w0", "w1", "w3"]
 
     loop.run_until_complete(scenario())
 
@@ -528,6 +532,12 @@ def test_a_flow_just_arrived_is_not_light_yet() -> None:
     assert not act.light(x, 16, 5.0)  # below its share, but its burst has just begun
     act.took(x, 9.0)
     assert act.light(x, 16, 10.0)  # active for 5 s
+    # A request waiting a moment (a slot is being handed to it) does not end it; a backlog
+    # that, with what it holds, reaches its share does.
+    act.queued(x, 1)
+    assert act.light(x, 16, 10.0)
+    act.queued(x, 6)
+    assert not act.light(x, 16, 10.0)  # 1 in flight + 7 waiting: its share of 16 slots
 
 
 def test_token_events_count_a_vllm_chat_stream_s_tokens() -> None:
@@ -548,3 +558,20 @@ def test_token_events_count_a_vllm_chat_stream_s_tokens() -> None:
     # Completions: a token an event, its text.
     text = b"".join(b'data: {"choices":[{"index":0,"text":"' + w + b'"}]}\n\n' for w in (b"a", b"b", b""))
     assert token_events(text) == 2
+
+
+def test_no_dearer_names_the_workers_whose_prefill_costs_no_more_than_the_wait() -> None:
+    from router.proxy.handler import _no_dearer
+    from router.routing import CandidateScore, RouteDecision, WorkerLoad
+
+    def score(worker: str, prefill_s: float, queued_s: float) -> CandidateScore:
+        load = WorkerLoad(worker, inflight=1, queued_prefill_s=queued_s, prefilling=1 if queued_s else 0)
+        return CandidateScore(prefill_s + queued_s, 0.0, worker, 0, 0, prefill_s, prefill_s + queued_s, True, load)
+
+    # The prefix is cached on w0, where one prefill of 0.2 s is queued: recomputing it all
+    # on w1 (0.5 s) costs more than the wait; w2 holds part of it (0.25 s) and costs less.
+    scores = (score("w0", 0.05, 0.2), score("w2", 0.25, 0.0), score("w1", 0.5, 0.0))
+    decision = RouteDecision("w0", "gpu_hit", ranking=("w2", "w1"), scores=scores)
+    assert _no_dearer(decision) == {"w0", "w2"}
+    # A policy that prices nothing leaves every worker movable.
+    assert _no_dearer(RouteDecision("w0", "random", ranking=("w1",))) is None
