@@ -336,8 +336,8 @@ class Activity:
         if now - self._since.get(name, now) < self.window_s:
             return False
         weights = self._active_with(flow, now) if active is None else {name: flow.weight, **active}
-        demand = {name: self.inflight.get(name, 0) + self.waiting.get(name, 0)}
-        return below_share(name, demand, weights, total)
+        wanted = {name: self.inflight.get(name, 0) + self.waiting.get(name, 0)}
+        return below_share(name, wanted, weights, total)
 
     def may_take(self, flow: Flow, free: int, total: int, now: float) -> bool:
         weights = self._active_with(flow, now)
