@@ -157,7 +157,7 @@ class Admission:
         activity = self.activity
         if activity is None:
             return inflight < self.per_worker
-        clean = worker not in self._prefilling and worker not in self._guarded
+        clean = not self._prefill_in_flight(worker)
         if inflight >= self.per_worker + (1 if light and clean else 0):
             return False
         guards = self._guarded.get(worker)
@@ -218,7 +218,7 @@ class Admission:
         its own prefill costs no more than its prefill and queue on the first (the others,
         which would recompute a cached prefix for longer than the wait, keep their places
         after these); None: every worker (a policy that prices nothing)."""
-        if not ranking or self._in_flight(ranking[0]) == 0:
+        if not ranking or not self._prefill_in_flight(ranking[0]):
             return ranking
         movable = no_dearer()
         never = float("inf")
@@ -230,6 +230,10 @@ class Admission:
 
         return sorted(ranking, key=place)
 
+    def _prefill_in_flight(self, worker: str) -> bool:
+        """Some tenant's request awaits its first byte on `worker` (it is not clean)."""
+        return worker in self._prefilling or worker in self._guarded
+
     def _in_flight(self, worker: str) -> int:
         """Prefills in flight on `worker`, light tenants' and the others'."""
         guards = self._guarded.get(worker)
@@ -237,7 +241,7 @@ class Admission:
 
     def mark(self, worker: str, flow: Flow, *, light: bool) -> None:
         """A tenant's request was sent to `worker`; its prefill is in flight until `unmark`."""
-        if worker not in self._prefilling and worker not in self._guarded:
+        if not self._prefill_in_flight(worker):
             self._prefill_since[worker] = self._now()
         if light:
             guards = self._guarded.setdefault(worker, {})
@@ -254,7 +258,7 @@ class Admission:
             counts[key] = left
         elif light and not counts:
             self._guarded.pop(worker, None)
-        if worker in self._prefilling or worker in self._guarded:
+        if self._prefill_in_flight(worker):
             self._prefill_since[worker] = self._now()  # the next one in its engine begins
         else:
             self._prefill_since.pop(worker, None)

@@ -401,6 +401,7 @@ def test_a_light_tenant_s_prefill_is_kept_apart(loop) -> None:
         for _ in range(3):
             adm.gave_back(x)
         assert not adm.room_for("w0", 1, x)
+
     loop.run_until_complete(scenario())
 
 
