@@ -402,6 +402,23 @@ class KvEventIngestor:
         uses, which the self-check tries on a prefix's first block."""
         self._salted_ok = False
         self._unknown_salts = 0
+        self._local: PrefixIndex | None = None
+        self._writes: Callable[[], bool] = lambda: True
+
+    def follow(self, local: PrefixIndex, writes: Callable[[], bool]) -> None:
+        """With an index shared by router replicas: apply the events to `local` (this
+        replica's own view of the shared index) only, while `writes()` says another replica
+        writes them to the shared one. Every replica receives the same events; one writing
+        them is enough, and each replica writing them multiplied the index's write load by
+        the number of replicas. The local view stays whole, for when this replica routes
+        without the shared index or becomes the writer."""
+        self._local = local
+        self._writes = writes
+
+    def _sink(self) -> PrefixIndex:
+        """Where events are applied now: the index, or this replica's view of it alone."""
+        local = self._local
+        return self.index if local is None or self._writes() else local
 
     # -- locations --
     def _location(self, source: KvEventSource, medium: str | None) -> str | None:
@@ -443,14 +460,14 @@ class KvEventIngestor:
                     self._verify(source, ev, st)
                 if keys:
                     st.blocks_stored += len(keys)
-                    await self.index.record(loc, [PrefixKey(k) for k in keys], [block] * len(keys))
+                    await self._sink().record(loc, [PrefixKey(k) for k in keys], [block] * len(keys))
             else:
                 keys = ev.block_hashes
                 if pooled and self.translator is not None:
                     keys = [k for chunk in ev.block_hashes for k in self.translator.removed(chunk)]
                 if keys:
                     st.blocks_removed += len(keys)
-                    await self.index.evict(loc, [PrefixKey(k) for k in keys])
+                    await self._sink().evict(loc, [PrefixKey(k) for k in keys])
 
     def _translate_stored(self, ev: KvEvent) -> tuple[int, ...] | None:
         assert self.translator is not None
@@ -515,9 +532,10 @@ class KvEventIngestor:
             log.warning("KV events from %s: %s", worker, msg)
 
     async def _drop_worker(self, worker: str) -> None:
-        await self.index.drop_location(worker)
+        sink = self._sink()
+        await sink.drop_location(worker)
         if self.cpu_medium == "worker":
-            await self.index.drop_location(f"{worker}@cpu")
+            await sink.drop_location(f"{worker}@cpu")
 
     # -- sequencing --
     async def handle(self, source: KvEventSource, batch: KvBatch, replay: Callable[[int], Any] | None = None) -> None:
@@ -719,6 +737,11 @@ class KvEventIngestor:
         }
         for attr, help_ in counters.items():
             registry.callback_counter(f"kvroute_kv_events_{attr}_total", help_, ("source",), reader(attr))
+        registry.callback_gauge(
+            "kvroute_kv_events_writer", "1 if this replica writes the KV events to the index (with replicas "
+            "sharing one, a single replica does), 0 if it applies them to its own view only",
+            (), lambda: {(): 1.0 if self._local is None or self._writes() else 0.0},
+        )
         registry.callback_gauge(
             "kvroute_kv_events_lag_seconds", "Age of the last KV-event batch when it was applied",
             ("source",), reader("last_lag_s"),

@@ -574,6 +574,13 @@ class RedisIndex:
         self._caps[location] = tokens
         self._queue(("C", location, tokens))
 
+    def push_mirror(self) -> None:
+        """Push this replica's whole view to Redis (in the background, as after Redis lost
+        its data): it now writes what another replica wrote until it stopped, and its mirror
+        holds what nobody wrote meanwhile (`KvEventIngestor.follow`)."""
+        self._resync_needed = True
+        self._kick()
+
     async def flush(self) -> bool:
         """Send every queued write now. True if Redis took them all."""
         self._start()

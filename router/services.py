@@ -332,12 +332,26 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
 
         async def ingest() -> None:
             salts = s.salter.known if s.salter is not None else None
-            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry, salts=salts)
+            await mode.start(fleet=s.fleet, index=s.index, registry=s.metrics.registry, salts=salts,
+                             follow=event_writer_election(s.index, s.loads))
 
         stages.append(Stage("precise", ingest, mode.stop))
     if s.tenants.path is not None:
         stages.append(TenantReloadOnHangup(s.tenants))
     return [*stages, s.outliers, s.loop_lag, s.discoveries]
+
+
+def event_writer_election(index: PrefixIndex, loads: LoadBoard) -> tuple[PrefixIndex, Callable[[], bool]] | None:
+    """With the index in Redis: one replica writes the workers' KV events there, the others
+    keep them in their own view (`RedisLoadBoard.writes_events`); a replica that becomes the
+    writer pushes its view first."""
+    from cache_client.redis_index import RedisIndex
+    from router.load.redis import RedisLoadBoard
+
+    if not (isinstance(index, RedisIndex) and isinstance(loads, RedisLoadBoard)):
+        return None
+    loads.on_writer.append(index.push_mirror)
+    return index.mirror, lambda: loads.writes_events
 
 
 class TenantReloadOnHangup:

@@ -12,7 +12,8 @@
 -- here), or "": appended to the stream T:ends (capped, expiring an hour after the last
 -- append); ARGV[7] the last stream id this replica has read ("0-0" at first).
 -- Returns {the other live replicas' counts, their cost statistics (only if ARGV[5] is set),
--- the ends the other replicas appended after ARGV[7] (at most 256 entries), the last id read}.
+-- the ends the other replicas appended after ARGV[7] (at most 256 entries), the last id read,
+-- the ids of every live replica, this one included}.
 
 local T = ARGV[1]
 local me = ARGV[2]
@@ -25,7 +26,7 @@ if ARGV[4] == '' then
   redis.call('ZREM', KEYS[1], me)
   redis.call('DEL', T .. ':lb:' .. me)
   redis.call('DEL', T .. ':lbc:' .. me)
-  return {{}, {}, {}, ''}
+  return {{}, {}, {}, '', {}}
 end
 local costs = ARGV[5] or ''
 if costs ~= '' then
@@ -36,7 +37,8 @@ redis.call('PEXPIRE', KEYS[1], lease)
 redis.call('SET', T .. ':lb:' .. me, ARGV[4], 'PX', lease)
 
 local out, stats = {}, {}
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+local live = redis.call('ZRANGE', KEYS[1], 0, -1)
+for _, id in ipairs(live) do
   if id ~= me then
     local counts = redis.call('GET', T .. ':lb:' .. id)
     if counts then out[#out + 1] = counts end
@@ -62,4 +64,4 @@ if seen ~= '' then
     if fields[2] ~= me then ends[#ends + 1] = fields[4] end
   end
 end
-return {out, stats, ends, seen}
+return {out, stats, ends, seen, live}

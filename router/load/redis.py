@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -91,6 +91,17 @@ class RedisLoadBoard(LocalLoadBoard):
         """Where the prompts sent ended (cache_client/served_ends.py): each sync passes this
         replica's new records on and takes in the others'."""
         self._ends_seen = "0-0"
+        self.writes_events = True
+        """This replica is the one that writes the workers' KV events to the shared index
+        (precise mode): the live replica with the smallest id at the last sync. Every replica
+        ingests the events into its local mirror; one writing them to Redis is enough (the
+        writes are the same), and N replicas writing them was N times the write load. True
+        until the first sync says otherwise: a duplicate write is harmless, a missing one is
+        not."""
+        self.on_writer: list[Callable[[], None]] = []
+        """Called when this replica becomes the events' writer after another was: the index
+        pushes its mirror, which holds what was applied while nobody wrote (a writer that
+        died leaves its lease to run out first)."""
         backend.on_close.append(self._leave)
         # Heartbeat from the moment Redis answers, not from this replica's first request:
         # other replicas (and operators) see every live replica.
@@ -157,12 +168,26 @@ class RedisLoadBoard(LocalLoadBoard):
         self.syncs += 1
         if costs and calibrator is not None:
             calibrator.absorb(_merge_stats(stats))
-        if ends is not None and len(shared) == 2:
-            blobs, seen = shared
+        if ends is not None and len(shared) >= 2:
+            blobs, seen = shared[0], shared[1]
             self._ends_seen = seen.decode() if isinstance(seen, bytes) else str(seen)
             for blob in blobs:
                 ends.absorb(orjson.loads(blob))
+        if len(shared) == 3:
+            self._elect(shared[2])
         return True
+
+    def _elect(self, live: list[bytes]) -> None:
+        """The events' writer is the live replica with the smallest id: every replica reads
+        the same registry, so they agree within a sync (briefly two writing, or none, while
+        one joins or its lease runs out; the next writer's mirror push covers the latter)."""
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in live]
+        writes = min([*ids, self.replica_id]) == self.replica_id
+        if writes and not self.writes_events:
+            log.info("this replica now writes the workers' KV events to the shared index")
+            for callback in self.on_writer:
+                callback()
+        self.writes_events = writes
 
     async def _sync_loop(self) -> None:
         while True:

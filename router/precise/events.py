@@ -137,11 +137,19 @@ class PreciseMode(PreciseChainBuilder):
                 log.error("precise-mode refresh failed: %s", exc_summary(exc))
 
     async def start(
-        self, *, fleet: Fleet, index: PrefixIndex, registry: Registry, salts: Callable[[], Sequence[str]] | None = None
+        self,
+        *,
+        fleet: Fleet,
+        index: PrefixIndex,
+        registry: Registry,
+        salts: Callable[[], Sequence[str]] | None = None,
+        follow: tuple[PrefixIndex, Callable[[], bool]] | None = None,
     ) -> None:
         """Subscribe to the KV events of `fleet`'s workers, applied to `index`; the
         ingestion counters go to `registry`. `salts`: with tenants, the cache salts in use
-        (the events' self-check tries them)."""
+        (the events' self-check tries them). `follow`: with an index shared by replicas,
+        this replica's own view of it and whether this replica writes the events to it
+        (`KvEventIngestor.follow`)."""
         import httpx
 
         from cache_client.kv_events import KvEventIngestor
@@ -151,6 +159,8 @@ class PreciseMode(PreciseChainBuilder):
         self._client = httpx.AsyncClient(trust_env=False, follow_redirects=False)
         self.ingestor = KvEventIngestor(index, hasher=self.hasher, cpu_medium=self._cpu_medium)
         self.ingestor.salts = salts
+        if follow is not None:
+            self.ingestor.follow(*follow)
         self.ingestor.register_metrics(registry)
         await self._refresh()
         await self.ingestor.start()

@@ -365,3 +365,59 @@ async def test_a_wrong_password_is_an_outage_not_a_failure(caplog: pytest.LogCap
             assert not any("wrong" in r.getMessage() for r in caplog.records)
         finally:
             await index.close()
+
+
+@pytest.mark.redis
+async def test_one_replica_writes_the_kv_events_and_another_takes_over_when_it_leaves(replicas) -> None:
+    """Precise mode with replicas: each receives every worker's KV events; one writes them
+    to Redis, the others keep them in their own view, and when the writer leaves the next
+    one pushes its view, events it received while not writing included."""
+    from cache_client.kv_events import KvEvent, KvEventIngestor, KvEventSource
+    from router.load.redis import RedisLoadBoard
+    from router.services import event_writer_election
+
+    replicas_, ingestors, boards = [], [], []
+    for replica_id in ("r0", "r1"):
+        index = await replicas()
+        board = RedisLoadBoard(index.backend, prefix=index.tag[1:-1], replica_id=replica_id)
+        ingestor = KvEventIngestor(index)
+        follow = event_writer_election(index, board)
+        assert follow is not None
+        ingestor.follow(*follow)
+        replicas_.append(index)
+        ingestors.append(ingestor)
+        boards.append(board)
+    reader = await replicas()  # a third replica, routing only: what Redis holds
+    for board in boards:
+        assert await board.sync()
+    assert [b.writes_events for b in boards] == [True, False]  # the smallest live id writes
+
+    source = KvEventSource("w1", "tcp://127.0.0.1:1")
+    await ingestors[1].apply(source, [KvEvent("stored", (11, 12), block_size=16)])
+    await replicas_[1].flush()
+    # The follower kept it to itself: Redis does not have it, its own view does.
+    assert (await reader.lookup([11, 12])).depths == {}
+    assert replicas_[1].mirror.lookup_sync([11, 12]).depths == {"w1": 2}
+    # Both receive the next batch; the writer's copy reaches Redis.
+    for ingestor in ingestors:
+        await ingestor.apply(source, [KvEvent("stored", (21, 22, 23), block_size=16)])
+    await replicas_[0].flush()
+    assert (await reader.lookup([21, 22, 23])).depths == {"w1": 3}
+    await ingestors[1].apply(source, [KvEvent("removed", (22,))])
+    await replicas_[1].flush()
+    assert (await reader.lookup([21, 22, 23])).depths == {"w1": 3}  # nobody wrote the eviction
+
+    # The writer leaves (its registry entry goes; a crashed one's lease runs out): at its
+    # next sync r1 writes, and pushes its view first.
+    await boards[0]._leave()
+    assert await boards[1].sync()
+    assert boards[1].writes_events
+    await ingestors[1].apply(source, [KvEvent("stored", (31,), block_size=16)])
+
+    async def pushed() -> bool:
+        await replicas_[1].flush()
+        view = await reader.lookup([11, 12])
+        return view.depths == {"w1": 2} and (await reader.lookup([31])).depths == {"w1": 1}
+
+    await wait_for_async(pushed)
+    assert replicas_[1].stats["resyncs"] == 1

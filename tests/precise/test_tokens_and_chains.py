@@ -209,3 +209,37 @@ async def test_precise_mode_starts_with_the_apps_fleet_index_and_metrics(model_d
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@pytest.mark.redis
+async def test_replicas_sharing_redis_have_one_kv_event_writer(model_dir: Path, redis_prefix: str) -> None:
+    """Every replica subscribes to the workers' KV events; only one writes them to the shared
+    index (the others keep them in their own view), and /metrics says which."""
+    from cache_client.kv_events import KvEventSource
+    from router.app import build_app
+    from router.config_loader import flat_config
+    from router.precise import PreciseMode
+    from router.workers import WorkerSpec
+    from tests.support.system_redis import SYSTEM_REDIS
+    from tests.support.wait import wait_for_async
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ConfigWorker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        config = flat_config(workers=[WorkerSpec("w1", url)], redis=SYSTEM_REDIS, redis_prefix=redis_prefix)
+        modes = [PreciseMode(ModelTokenizer.from_dir(model_dir), sources=[KvEventSource("w1", "tcp://127.0.0.1:1")])
+                 for _ in range(2)]
+        apps = [build_app(config, chains=mode) for mode in modes]
+        async with apps[0].lifespan(apps[0].api), apps[1].lifespan(apps[1].api):
+
+            def writers() -> list[str]:
+                return [line for app in apps for line in app.metrics.registry.render().splitlines()
+                        if line.startswith("kvroute_kv_events_writer")]
+
+            await wait_for_async(lambda: sorted(writers()) == ["kvroute_kv_events_writer 0", "kvroute_kv_events_writer 1"])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

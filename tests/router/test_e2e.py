@@ -30,7 +30,11 @@ def test_conversations_stay_on_their_worker_and_load_spreads(cluster) -> None:
 def test_shared_system_prompt_does_not_pile_onto_one_worker(cluster) -> None:
     with RouterProcess(cluster.worker_urls, policy="cache_aware") as router:
         result = asyncio.run(run_conversations(router.url, shared_system))
-    assert result.max_share <= 0.5, result
+    # Piling would put all 80 turns on the worker holding the prompt. The cap is 1.5x the
+    # mean of decayed recent counts (0.5 of 3 workers) plus one request, scaled by the
+    # worker's learned speed once there is one (a few percent either way on identical
+    # workers), so a worker may end a turn or two past 40 of 80 (41 seen in CI): no pile.
+    assert result.max_share <= 0.55, result
     assert result.affinity >= 0.90, result
     assert result.reasons.get("gpu_hit", 0) >= 60, result
 
