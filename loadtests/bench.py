@@ -340,9 +340,9 @@ async def _measure(
     if not isinstance(workload, traces.Trace):
         floor = cost_learning.ideal_floor(workload, outcome.records, build_cost_model(setup.profile))
         summary["ideal_floor_mean_s"] = floor["mean_s"]
-        summary["ttft_mean_over_ideal_floor"] = (
-            summary["ttft_mean_s"] / floor["mean_s"] if summary["ttft_mean_s"] is not None and floor["mean_s"] else None
-        )
+        summary["ideal_floor_p99_s"] = floor["p99_s"]
+        summary["ttft_mean_over_ideal_floor"] = _ratio(summary["ttft_mean_s"], floor["mean_s"])
+        summary["ttft_p99_over_ideal_floor"] = _ratio(summary["ttft_p99_s"], floor["p99_s"])
     summary["harness"] = {
         "time_scale": setup.time_scale,
         "mean_step_s": mean_step,

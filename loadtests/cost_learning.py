@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.harness import RequestRecord, parse_prometheus
+from loadtests.harness import RequestRecord, parse_prometheus, percentile
 from loadtests.sim.costs import CostModel
 from loadtests.traces import ENGINE_TOKEN_BUDGET, ideal_ttft_s
 from loadtests.workload import Workload, session_tokens
@@ -223,8 +223,11 @@ def _speed_of(name: str, speeds: Sequence[float] | None) -> float:
 
 
 def ideal_floor(workload: Workload, records: Sequence[RequestRecord], cost: CostModel) -> dict[str, Any]:
-    """Mean ideal TTFT of the measured requests: each reuses its conversation's previous
-    prompt (its first turn, the group's shared prefix), perfectly, on an idle worker."""
+    """Ideal TTFT of the measured requests, mean and p99: each reuses its conversation's
+    previous prompt (its first turn, the group's shared prefix), perfectly, on an idle worker
+    at `cost`'s speed. Each request's TTFT is at least its floor, so the floors' p99 is a
+    lower bound on the run's p99 too: the tail no router can remove (the longest new
+    prompts' own prefill)."""
     sessions = {s.index: s for s in workload.sessions}
     tokens: dict[int, Any] = {}
     floors = []
@@ -240,7 +243,7 @@ def ideal_floor(workload: Workload, records: Sequence[RequestRecord], cost: Cost
         prompt = toks.prompts[r.turn]
         held = toks.prompts[r.turn - 1] if r.turn > 0 else toks.shared
         floors.append(ideal_ttft_s(min(held, prompt), prompt, cost, ENGINE_TOKEN_BUDGET))
-    return {"requests": len(floors), "mean_s": sum(floors) / len(floors) if floors else None}
+    return {"requests": len(floors), "mean_s": sum(floors) / len(floors) if floors else None, "p99_s": percentile(floors, 99)}
 
 
 def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -248,8 +251,9 @@ def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     `@exact` of the same policy."""
     out: dict[str, Any] = {}
     for key, r in routers.items():
-        if r.get("ttft_mean_over_ideal_floor") is not None:
-            out[f"{key}_ttft_mean_over_ideal_floor"] = r["ttft_mean_over_ideal_floor"]
+        for stat in ("ttft_mean_over_ideal_floor", "ttft_p99_over_ideal_floor"):
+            if r.get(stat) is not None:
+                out[f"{key}_{stat}"] = r[stat]
     for key, r in routers.items():
         policy, variant = split_variant(key.split("+")[0].split("-nopool")[0])
         exact = routers.get(f"{policy}@exact")
@@ -267,6 +271,9 @@ def markdown_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
         over = r.get("ttft_mean_over_ideal_floor")
         floor = r.get("ideal_floor_mean_s")
         text = f"- {key}: TTFT mean ÷ ideal floor {over:.2f} (floor {floor:.3f} s)" if over and floor else f"- {key}:"
+        p99_over, p99_floor = r.get("ttft_p99_over_ideal_floor"), r.get("ideal_floor_p99_s")
+        if p99_over and p99_floor:
+            text += f", p99 ÷ the floors' p99 {p99_over:.2f} ({p99_floor:.3f} s)"
         learned = r.get("cost_learning") or {}
         parts = []
         for worker, w in sorted(learned.items()):

@@ -274,6 +274,35 @@ def test_learned_costs_converge_from_the_first_sample_that_stays_within_toleranc
     assert growth > 1.2 and summary["within_tolerance_from"]["16384"] is None
 
 
+def test_the_ideal_floor_bounds_the_mean_and_the_p99_from_below() -> None:
+    from loadtests.cost_learning import ideal_floor
+    from loadtests.sim.costs import build_cost_model
+    from loadtests.traces import ENGINE_TOKEN_BUDGET, ideal_ttft_s
+    from loadtests.workload import SCENARIOS, build_workload, session_tokens
+
+    workload = build_workload(SCENARIOS["seed"], 3, 1.0, warmup_s=5, window_s=20)
+    cost = build_cost_model("h200-llama3-8b")
+    sessions = workload.sessions[:40]
+    records = [
+        RequestRecord(session=s.index, turn=t, kind="answer", measured=True, sent_s=0.0)
+        for s in sessions for t in range(len(s.turns))
+    ]  # fmt: skip
+    records.append(RequestRecord(session=sessions[0].index, turn=0, kind="answer", measured=False, sent_s=0.0))
+    floor = ideal_floor(workload, records, cost)
+    assert floor["requests"] == len(records) - 1  # the unmeasured one is left out
+    # By hand: each turn prefills what its previous prompt (a first turn: the shared prefix)
+    # did not hold; the p99 is nearest-rank over those floors.
+    floors = []
+    for s in sessions:
+        toks = session_tokens(s, workload.groups.get(s.group) if s.group is not None else None)
+        for t, prompt in enumerate(toks.prompts):
+            held = toks.prompts[t - 1] if t else toks.shared
+            floors.append(ideal_ttft_s(min(held, prompt), prompt, cost, ENGINE_TOKEN_BUDGET))
+    assert floor["mean_s"] == pytest.approx(sum(floors) / len(floors))
+    assert floor["p99_s"] == percentile(floors, 99)
+    assert floor["mean_s"] < floor["p99_s"] <= max(floors)
+
+
 def _probe_summary(p99: float, flagged: bool = False, halves: tuple[float, float] = (0.1, 0.1)) -> dict:
     """What `run_entry` returns of a run, as far as the capacity search reads it."""
     return {"ttft_p99_s": p99, "ttft_mean_s": 0.1, "requests_failed": 0,
