@@ -616,7 +616,7 @@ async def drive(
                 if now >= window_end:
                     return  # no request starts after the window
                 body = convert(conv.request(turn))
-                measured = now >= warmup
+                measured = workload.measures(session, i, now)
                 rec = RequestRecord(session.index, i, turn.kind, measured, now)
                 records.append(rec)
                 headers = [(b"x-session-id", session.id.encode()), (b"content-type", b"application/json")]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.bench import cli
+from loadtests.workload import SCENARIOS, build_workload
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +98,12 @@ def test_figures_are_consistent(run) -> None:
 def test_requests_jsonl_matches_the_summary(run) -> None:
     out, results, _ = run
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    # What the window measures is the workload's rule (`Workload.measures`), request by request.
+    sc = results["scenario"]
+    wl = build_workload(SCENARIOS["seed"], 3, sc["arrival_rate_per_s"], warmup_s=sc["warmup_s"], window_s=sc["window_s"])
+    sessions = {s.index: s for s in wl.sessions}
+    assert all(x["measured"] == wl.measures(sessions[x["session"]], x["turn"], x["sent_s"]) for x in rows)
+    assert any(x["measured"] for x in rows) and any(not x["measured"] for x in rows)
     for key, r in results["routers"].items():
         measured = [x for x in rows if x["router"] == key and x["measured"]]
         assert len(measured) == r["requests_measured"]

@@ -199,6 +199,22 @@ def test_runs_start_in_steady_state() -> None:
     assert wl.prepopulate_s > 60
 
 
+def test_the_window_leaves_out_the_warm_up_and_the_histories_sent_cold() -> None:
+    rates = derive_rates(SEED, 8)
+    wl = build_workload(SEED, 1, rates.arrival_rate_per_s, warmup_s=20, window_s=30)
+    joiner = next(s for s in wl.sessions if s.start_turn > 0 and s.start_turn + 1 < len(s.turns))
+    fresh = next(s for s in wl.sessions if s.start_turn == 0 and len(s.turns) > 1)
+    inside = wl.warmup_s + 1.0
+    # A session under way at time 0 sends its whole history cold with its first request:
+    # never measured, wherever it falls; its later turns are, like every other request.
+    assert not wl.measures(joiner, joiner.start_turn, inside)
+    assert wl.measures(joiner, joiner.start_turn + 1, inside)
+    assert wl.measures(fresh, 0, inside) and wl.measures(fresh, 1, inside)
+    assert not wl.measures(fresh, 1, wl.warmup_s - 0.1)
+    # Some of those histories fall inside the window: a long pause before the next turn.
+    assert any(s.start_turn > 0 and wl.warmup_s <= s.start_s < wl.window_end_s for s in wl.sessions)
+
+
 def test_random_lb_reuse_falls_as_caches_fill() -> None:
     """The random-balancer model: reuse comes from the conversation's earlier worker, and
     shrinks when more conversations compete for each worker's cache."""
