@@ -21,7 +21,10 @@ per observation, no window to keep) with
   router's, an engine hiccup) weighs little, while a lasting change raises the scale and
   is let in;
 * queueing kept out at the observation site (`Calibrator.observe`): only requests that
-  found at most a small predicted queue are fitted, with that queue subtracted;
+  found at most a small predicted queue are fitted, with that queue subtracted; the
+  queued ones still check the prior's scale while a worker has no fit of its own
+  (`Calibrator._check_prior`: a router started into a busy fleet would otherwise fit
+  nothing and price it by priors off by 2x and more until the backlog drains);
 * the prior (the `--cost-*` defaults) as a ridge term whose strength is a small fraction of
   each coefficient's own information in the observations: the prior stands until
   `min_observations`, then keeps the fit defined where the observations cannot tell two
@@ -326,6 +329,17 @@ class Dispatch:
     """The policy's predicted TTFT on this worker (None: the policy does not price)."""
 
 
+PRIOR_CHECK_ANSWERS = 6
+"""Queued answers that check a worker's prior before it has a fit of its own (few: in the
+burst that needs them, answers come back seconds apart)."""
+PRIOR_OFF_BY = 1.5
+"""A prior those answers find off by more than this factor either way is rescaled: the rule
+is for priors off by a different GPU or model (2x and more), not for a few tens of percent."""
+PRIOR_MAX_FACTOR = 10.0
+"""Bound on that rescaling, either way: a check of a few answers is no fit; a worker further
+off than this (a small model on a CPU core against H200 priors) is reached by its fit."""
+
+
 class Calibrator:
     """Every worker's estimator, and the costs the load view hands the policy."""
 
@@ -344,6 +358,13 @@ class Calibrator:
         self.costs: dict[str, CostModel] = {}
         """Learned models by worker (read by the load board's snapshot)."""
         self.skipped_queued = 0
+        self.prior_factors: dict[str, float] = {}
+        """Workers whose prior the queued answers checked, and the factor it was scaled by
+        (1.0: it stood)."""
+        self._prior_ratios: dict[str, list[float]] = {}
+        self._early: dict[str, list[Observation]] = {}
+        """Each worker's fitted observations until its fit stands (replayed if its prior
+        is rescaled)."""
 
     def estimator(self, worker: str) -> Estimator:
         e = self.estimators.get(worker)
@@ -356,6 +377,7 @@ class Calibrator:
         in the router's token units; None: not reported). Returns what was fitted, if any."""
         if d.engine_waiting > 0 or d.queued_s > self.queue_fraction * max(d.predicted_prefill_s, self.prior.step_s):
             self.skipped_queued += 1
+            self._check_prior(d, first_byte_s)
             return None
         start = d.predicted_cached if cached_tokens is None else min(max(cached_tokens, 0), d.total_tokens)
         seconds = first_byte_s - d.queued_s
@@ -366,7 +388,46 @@ class Calibrator:
         e.add(obs)
         if e.learned:
             self.costs[d.worker] = e.model
+            self._early.pop(d.worker, None)
+        elif d.worker not in self.prior_factors:
+            self._early.setdefault(d.worker, []).append(obs)
         return obs
+
+    def _check_prior(self, d: Dispatch, first_byte_s: float) -> None:
+        """A worker whose answers all find a queue (a router started into a busy fleet) fits
+        nothing, so its prior prices it however far off that prior is, and the backlog a
+        mispriced burst leaves is the tail (issue 15: 72B workers priced by the 8B defaults
+        at three times a random balancer's load). A queued answer still measures the prior's
+        scale: the queue ahead of it was priced by the same prior, so on a worker k times
+        slower than the prior says it takes about k times its predicted queue + prefill, or
+        longer: a queued answer also waits for work the model does not see (the decodes
+        sharing its steps, an engine out of KV admitting it late), which only adds time. So
+        the lower quartile of the first few ratios, not their median, rescales the worker's
+        prior, once, before its own fit stands; learning goes on from there."""
+        worker = d.worker
+        if worker in self.prior_factors or self.estimator(worker).learned:
+            return
+        predicted = d.predicted_prefill_s + d.queued_s
+        if predicted <= 0 or first_byte_s <= 0:
+            return
+        ratios = self._prior_ratios.setdefault(worker, [])
+        ratios.append(first_byte_s / predicted)
+        if len(ratios) < PRIOR_CHECK_ANSWERS:
+            return
+        del self._prior_ratios[worker]
+        factor = sorted(ratios)[len(ratios) // 4]
+        if 1 / PRIOR_OFF_BY <= factor <= PRIOR_OFF_BY:
+            self.prior_factors[worker] = 1.0
+            return
+        factor = min(max(factor, 1 / PRIOR_MAX_FACTOR), PRIOR_MAX_FACTOR)
+        self.prior_factors[worker] = factor
+        scaled = replace(self.prior, **{c: getattr(self.prior, c) * factor for c in COEFFS if c not in self.fixed})
+        old = self.estimators[worker]
+        fresh = self.estimators[worker] = Estimator(scaled, self.fixed, self.settings)
+        fresh.others = old.others
+        for obs in self._early.pop(worker, ()):
+            fresh.add(obs)
+        self.costs[worker] = fresh.model
 
     def export(self) -> dict[str, list[float]]:
         """This replica's statistics per worker (shared through the load board)."""
@@ -384,6 +445,9 @@ class Calibrator:
     def forget(self, worker: str) -> None:
         self.estimators.pop(worker, None)
         self.costs.pop(worker, None)
+        self.prior_factors.pop(worker, None)
+        self._prior_ratios.pop(worker, None)
+        self._early.pop(worker, None)
 
 
 def cost_readers(calibrator: Calibrator) -> tuple[Callable[[], dict[tuple[str, ...], float]], Callable[[], dict[tuple[str, ...], float]]]:

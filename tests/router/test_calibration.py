@@ -7,6 +7,9 @@ import random
 import pytest
 
 from router.calibration import (
+    PRIOR_CHECK_ANSWERS,
+    PRIOR_MAX_FACTOR,
+    PRIOR_OFF_BY,
     Calibrator,
     Dispatch,
     Estimator,
@@ -112,6 +115,59 @@ def test_calibrator_skips_requests_that_found_a_queue() -> None:
     obs = cal.observe(dispatch(queued_s=0.1), 0.6, 4000)
     assert obs is not None and obs.seconds == pytest.approx(0.5) and obs.start == 4000
     assert cal.skipped_queued == 2 and "w0" not in cal.costs  # not yet enough to stand
+
+
+def _answered(cal: Calibrator, rng: random.Random, slow: float, queued: bool, unseen: float = 1.0) -> None:
+    """One answer from a worker `slow` times the prior's speed: queued behind a prefill the
+    router priced with the same prior, or alone; `unseen`: also waiting for work the model
+    does not see (a busy engine's decodes), as a factor."""
+    total = rng.randint(2_000, 20_000)
+    own = PRIOR.prefill_s(0, total)
+    queue = rng.uniform(2, 6) * own if queued else 0.0
+    d = Dispatch("w0", total, 0, 0, queue, 0, 0, own, own + queue)
+    cal.observe(d, slow * (own + queue) * rng.uniform(0.9, 1.2) * unseen, 0)
+
+
+def test_queued_answers_rescale_a_prior_that_is_far_off_before_any_fit() -> None:
+    """A router started into a busy fleet: every answer finds a queue, so nothing is fitted,
+    but the answers show the prior 3x too cheap, and it is rescaled after a few."""
+    cal, rng = Calibrator(PRIOR), random.Random(5)
+    # Every other answer also waited for work the model does not see: that only adds time,
+    # so it must not pass for a slower worker (the median would read those).
+    for i in range(PRIOR_CHECK_ANSWERS - 1):
+        _answered(cal, rng, 3.0, queued=True, unseen=2.5 if i % 2 else 1.0)
+    assert "w0" not in cal.costs  # the prior still stands
+    _answered(cal, rng, 3.0, queued=True, unseen=2.5)
+    factor = cal.prior_factors["w0"]
+    assert 3.0 * 0.9 <= factor <= 3.0 * 1.2
+    assert marginal_prefill_s(cal.costs["w0"], 4096) == pytest.approx(factor * marginal_prefill_s(PRIOR, 4096))
+    # Checked once: later queued answers leave it, and its own fit takes over from there.
+    for _ in range(3 * PRIOR_CHECK_ANSWERS):
+        _answered(cal, rng, 10.0, queued=True)
+    assert cal.prior_factors["w0"] == factor
+    for _ in range(200):
+        _answered(cal, rng, 3.0, queued=False)
+    assert marginal_prefill_s(cal.costs["w0"], 4096) == pytest.approx(3.0 * 1.05 * marginal_prefill_s(PRIOR, 4096), rel=0.1)
+
+
+def test_a_prior_about_right_stands_and_early_fits_survive_a_rescale() -> None:
+    rng = random.Random(6)
+    right = Calibrator(PRIOR)
+    for _ in range(PRIOR_CHECK_ANSWERS):
+        _answered(right, rng, 1.2, queued=True)  # the unmodelled waits of a busy engine
+    assert right.prior_factors["w0"] == 1.0 and "w0" not in right.costs
+    off = Calibrator(PRIOR)
+    for _ in range(5):
+        _answered(off, rng, 2.5, queued=False)  # fitted, but not yet enough to stand
+    for _ in range(PRIOR_CHECK_ANSWERS):
+        _answered(off, rng, 2.5, queued=True)
+    assert off.prior_factors["w0"] > PRIOR_OFF_BY
+    assert off.estimators["w0"].observations == 5  # replayed into the rescaled estimator
+    # Bounded either way: a worker 20x slower than the prior is first priced at 4x.
+    far = Calibrator(PRIOR)
+    for _ in range(PRIOR_CHECK_ANSWERS):
+        _answered(far, rng, 20.0, queued=True)
+    assert far.prior_factors["w0"] == PRIOR_MAX_FACTOR
 
 
 def test_config_flags_are_priors_and_explicit_ones_win() -> None:
