@@ -259,6 +259,18 @@ class Estimator:
             if self.learned:
                 self.refit()  # the rescaled past prices the next request, not the old fit
 
+    def rescale_prior(self, factor: float) -> None:
+        """Scale the prior's free coefficients by `factor` (a prior found off by that much
+        before the fit stands). The features stay in the original prior's units, so the
+        observations already fitted keep their meaning and stay."""
+        self._phi0 = [p if fixed else p * factor for p, fixed in zip(self._phi0, self._fixed, strict=True)]
+        self.prior = replace(self.prior, **{c: p * s for c, p, s in zip(COEFFS, self._phi0, self._scale, strict=True)})
+        if self.learned:
+            self.refit()
+        else:
+            self._phi = list(self._phi0)
+            self.model = self.prior
+
     @property
     def learned(self) -> bool:
         """Enough observations (here or at other replicas) for the fit to stand."""
@@ -362,9 +374,6 @@ class Calibrator:
         """Workers whose prior the queued answers checked, and the factor it was scaled by
         (1.0: it stood)."""
         self._prior_ratios: dict[str, list[float]] = {}
-        self._early: dict[str, list[Observation]] = {}
-        """Each worker's fitted observations until its fit stands (replayed if its prior
-        is rescaled)."""
 
     def estimator(self, worker: str) -> Estimator:
         e = self.estimators.get(worker)
@@ -388,9 +397,6 @@ class Calibrator:
         e.add(obs)
         if e.learned:
             self.costs[d.worker] = e.model
-            self._early.pop(d.worker, None)
-        elif d.worker not in self.prior_factors:
-            self._early.setdefault(d.worker, []).append(obs)
         return obs
 
     def _check_prior(self, d: Dispatch, first_byte_s: float) -> None:
@@ -421,13 +427,9 @@ class Calibrator:
             return
         factor = min(max(factor, 1 / PRIOR_MAX_FACTOR), PRIOR_MAX_FACTOR)
         self.prior_factors[worker] = factor
-        scaled = replace(self.prior, **{c: getattr(self.prior, c) * factor for c in COEFFS if c not in self.fixed})
-        old = self.estimators[worker]
-        fresh = self.estimators[worker] = Estimator(scaled, self.fixed, self.settings)
-        fresh.others = old.others
-        for obs in self._early.pop(worker, ()):
-            fresh.add(obs)
-        self.costs[worker] = fresh.model
+        e = self.estimators[worker]
+        e.rescale_prior(factor)
+        self.costs[worker] = e.model
 
     def export(self) -> dict[str, list[float]]:
         """This replica's statistics per worker (shared through the load board)."""
@@ -447,7 +449,6 @@ class Calibrator:
         self.costs.pop(worker, None)
         self.prior_factors.pop(worker, None)
         self._prior_ratios.pop(worker, None)
-        self._early.pop(worker, None)
 
 
 def cost_readers(calibrator: Calibrator) -> tuple[Callable[[], dict[tuple[str, ...], float]], Callable[[], dict[tuple[str, ...], float]]]:

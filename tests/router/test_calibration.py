@@ -162,8 +162,8 @@ def test_a_prior_about_right_stands_and_early_fits_survive_a_rescale() -> None:
     for _ in range(PRIOR_CHECK_ANSWERS):
         _answered(off, rng, 2.5, queued=True)
     assert off.prior_factors["w0"] > PRIOR_OFF_BY
-    assert off.estimators["w0"].observations == 5  # replayed into the rescaled estimator
-    # Bounded either way: a worker 20x slower than the prior is first priced at 4x.
+    assert off.estimators["w0"].observations == 5  # kept by the rescaled estimator
+    # Bounded either way: a worker 20x slower than the prior is first priced at the bound.
     far = Calibrator(PRIOR)
     for _ in range(PRIOR_CHECK_ANSWERS):
         _answered(far, rng, 20.0, queued=True)
