@@ -54,8 +54,10 @@ class CandidateScore(NamedTuple):
 
     score_s: float
     """What the policy ranks by: `ttft_s`, plus `prefill_s` times the requests queued there
-    for their first byte (the delay this placement adds to others), plus one engine step if
-    the candidate is not the worker holding most of the prefix."""
+    for their first byte (the delay this placement adds to others), plus the prefill of what
+    it would recompute of a prefix only one other worker holds times `recompute_weight` (the
+    delay that work adds to the fleet's later arrivals), plus one engine step if the
+    candidate is not the worker holding most of the prefix."""
     recent: float
     """Its decayed count of recent requests: the tie-break."""
     worker: str

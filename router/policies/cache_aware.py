@@ -37,6 +37,25 @@ holding the shared system prompt looked cheapest for every new session, took 515
 window's 1,645 requests and answered 10x later than predicted. Priced with its lag, the
 busiest worker took 328, and the run's mean TTFT fell from 0.79–1.13 s to 0.69 s.
 
+Recomputing is also work the fleet does twice. Moving a conversation off its busy holder
+recomputes what the holder already has and leaves that copy unused; when the fleet is near
+saturation the work delays more than the requests queued at the new worker now: every
+request arriving before the fleet catches up waits for it. So a candidate is also charged
+the prefill of the tokens it lacks that exactly one worker holds (a conversation's own
+turns), weighted by ρ/(1-ρ), the number of requests an M/M/1 queue at utilisation ρ holds,
+with ρ the share of workers with at least one engine step of prefill queued
+(`recompute_weight`: 0 on a fleet without queues, so at low load nothing changes; 2W-1
+when every worker queues). A prefix that two or more workers hold, or the pool, is not
+charged: it is shared and replicated already (a hot system prompt), a further copy stays in
+use, and spreading it is the bounded loads' job. (Charging it too piled new sessions onto
+the first holders of a shared system prompt in a closed loop of 20 conversations on 3
+workers, and their later turns then moved: affinity 0.78–0.82.) Measured (issue 13, the
+Mooncake conversation trace as completions without the pool, 8 workers at the speed where
+random saturates): the Little's-law charge alone moved 95–126 conversations holding 2k+
+tokens and reused 0.13–0.14 of the prompt tokens (the trace allows 0.204); with this charge
+0.167, and the mean TTFT fell from 1.67–1.75 s to 1.26 s: the moves looked right one
+request at a time and cost the fleet more than they saved.
+
 A conversation's home is a worker holding the prompt of its previous turn: while that
 worker's queues are negligible the recent-count cap does not move the conversation
 (`bounded.within_bounds`), however much of the recent traffic is the conversation's own.
@@ -89,15 +108,27 @@ class CacheAwarePolicy:
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
         most_cached = max(gpu_of.values())
+        # What only one worker holds: a conversation's own turns. A prefix on two or more
+        # workers (or in the pool) is shared and replicated already; spreading it further is
+        # the bounded loads' job, and a copy made of it stays in use.
+        replicated = max(sorted(gpu_of.values())[-2] if len(gpu_of) > 1 else 0, pool)
+        weight = recompute_weight(loads, cost.step_s)
         scores: list[CandidateScore] = []
         for w in loads:
             gpu = gpu_of[w.name]
             # The worker's own learned costs where there are some (a slower GPU prices higher).
-            prefill, ttft = (w.cost or cost).predicted_ttft_s(w, gpu, pool, total)
+            w_cost = w.cost or cost
+            prefill, ttft = w_cost.predicted_ttft_s(w, gpu, pool, total)
             # What the placement costs the others: its prefill delays the requests that will
-            # queue behind it there, about as many as queue there now (Little's law).
+            # queue behind it there, about as many as queue there now (Little's law), and
+            # what it recomputes of a prefix held elsewhere delays the fleet's later arrivals.
             # Hysteresis: leaving the worker that holds most of the prefix must win a step.
-            score = ttft + prefill * w.prefilling + (cost.step_s if gpu < most_cached else 0.0)
+            score = (
+                ttft
+                + prefill * w.prefilling
+                + weight * w_cost.prefill_s(max(gpu, replicated), most_cached)
+                + (cost.step_s if gpu < most_cached else 0.0)
+            )
             scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, pool, prefill, ttft, w.name in eligible, w)))
         scores.sort()  # best first (see CandidateScore)
 
@@ -118,3 +149,15 @@ class CacheAwarePolicy:
         return RouteDecision(
             chosen.worker, reason, cached_tokens=reuse, prefill_s=chosen.prefill_s, ranking=ranking, scores=tuple(scores)
         )
+
+
+def recompute_weight(loads: Sequence[WorkerLoad], busy_prefill_s: float) -> float:
+    """How many requests a second of recomputed prefill delays: ρ/(1-ρ), the mean number in
+    an M/M/1 queue at utilisation ρ, where ρ is the share of workers with at least
+    `busy_prefill_s` (one engine step) of prefill queued. With every worker busy, ρ is taken
+    as half a worker short of full (2W-1 for W workers), the largest value W can show."""
+    n = len(loads)
+    if n == 0:
+        return 0.0
+    busy = min(sum(1 for w in loads if w.queued_prefill_s >= busy_prefill_s), n - 0.5)
+    return busy / (n - busy)

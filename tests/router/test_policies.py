@@ -11,6 +11,7 @@ from normalizer import chat_segments, prefix_chain
 from router.cost import CostModel
 from router.policies import POLICIES, make_policy
 from router.policies.bounded import within_bounds
+from router.policies.cache_aware import recompute_weight
 from router.routing import RouteRequest, WorkerLoad
 
 COST = CostModel()
@@ -102,7 +103,8 @@ def test_cache_aware_decision_carries_the_prices_it_ranked_by() -> None:
         assert (s.gpu_tokens, s.pool_tokens, s.load, s.within_bound) == (gpu, pool, load, load.name in eligible)
         assert (s.prefill_s, s.ttft_s) == COST.predicted_ttft_s(load, gpu, pool, c.total_tokens)
         # The delay its prefill adds to the requests queued there, and the hysteresis: only
-        # the worker holding most of the prefix is ranked without a step added.
+        # the worker holding most of the prefix is ranked without a step added. (No worker
+        # has an engine step of prefill queued: recomputing is not charged; the test below.)
         others = s.prefill_s * load.prefilling
         assert s.score_s == pytest.approx(s.ttft_s + others + (0 if load.name == "a" else COST.step_s))
     chosen = next(s for s in d.scores if s.within_bound)
@@ -132,9 +134,12 @@ def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> Non
     view = IndexView({"a": len(chain(document))})  # a holds the document (10k tokens)
     policy = make_policy("cache_aware")
 
-    def place(a_waiting: int, b_waiting: int) -> str:
-        state = {"a": {"queued_prefill_s": 0.4, "prefilling": a_waiting}, "b": {"queued_prefill_s": 0.05, "prefilling": b_waiting}}
-        return policy.choose(RouteRequest(c), view, loads("a", "b", **state), COST).worker
+    def place(a_waiting: int, others_waiting: int) -> str:
+        # Seven others alike, each with less than an engine step queued: only a is busy, so
+        # the recompute itself is charged little (1/7 of its prefill; the test below).
+        others = {n: {"queued_prefill_s": 0.01, "prefilling": others_waiting} for n in "bcdefgh"}
+        state = {"a": {"queued_prefill_s": 0.4, "prefilling": a_waiting}, **others}
+        return policy.choose(RouteRequest(c), view, loads("a", *others, **state), COST).worker
 
     # With nothing queued, b's shorter queue outweighs the recompute: greedy TTFT moves it.
     assert place(0, 0) == "b"
@@ -143,6 +148,46 @@ def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> Non
     assert place(3, 1) == "a"
     # Where many more wait on the holder, the move still pays.
     assert place(12, 1) == "b"
+
+
+def test_recomputing_a_held_prefix_is_charged_by_how_busy_the_fleet_is() -> None:
+    """Recomputed prefill is work the fleet does twice: near saturation it delays the
+    requests that arrive before the fleet catches up, not only those queued now (issue 13:
+    on the Mooncake conversation trace the moves that looked right one request at a time
+    reused 0.13 of the prompts where the trace allows 0.20, and raised the mean TTFT)."""
+    step = COST.step_s
+    names = [f"w{i}" for i in range(8)]
+    assert recompute_weight(loads(*names), step) == 0.0
+    # Requests awaiting their first byte with less than a step of prefill queued: not busy.
+    assert recompute_weight(loads(*names, **{n: {"prefilling": 1, "queued_prefill_s": step / 2} for n in names}), step) == 0.0
+    half = loads(*names, **{n: {"queued_prefill_s": step} for n in names[:4]})
+    assert recompute_weight(half, step) == pytest.approx(1.0)  # rho = 1/2
+    full = loads(*names, **{n: {"queued_prefill_s": 1.0} for n in names})
+    assert recompute_weight(full, step) == pytest.approx(15.0)  # half a worker short of full
+    assert recompute_weight([], step) == 0.0
+
+    # w0 holds a 10k-token document and has 1.2 s of prefill queued; w1 holds nothing and
+    # has none. With no other queues the move to w1 pays; when the other six workers queue
+    # too, recomputing the document costs the fleet more than w0's queue.
+    document, question = "x" * 40_000, "y" * 400
+    c = chain(document, question)
+    policy = make_policy("cache_aware")
+
+    def place(others_queue_s: float, pool: bool = False) -> str:
+        state = {"w0": {"queued_prefill_s": 1.2, "prefilling": 1}}
+        state.update({n: {"queued_prefill_s": others_queue_s, "prefilling": 1 if others_queue_s else 0} for n in names[2:]})
+        held = {"w0": len(chain(document))} | ({POOL: len(chain(document))} if pool else {})
+        return policy.choose(RouteRequest(c), IndexView(held), loads(*names, **state), COST).worker
+
+    assert place(0.0) == "w1"
+    assert place(3.0) == "w0"
+    # The pool holds the document: nothing is recomputed, and the move pays again.
+    assert place(3.0, pool=True) == "w1"
+    # A prefix two workers hold is shared (a hot system prompt): a third copy is not charged.
+    state = {"w0": {"queued_prefill_s": 1.2, "prefilling": 1}, "w7": {"queued_prefill_s": 1.2, "prefilling": 1}}
+    state.update({n: {"queued_prefill_s": 3.0, "prefilling": 1} for n in names[2:7]})
+    shared = IndexView({"w0": len(chain(document)), "w7": len(chain(document))})
+    assert policy.choose(RouteRequest(c), shared, loads(*names, **state), COST).worker == "w1"
 
 
 def test_caps_are_lifted_once_the_fleet_queues() -> None:
