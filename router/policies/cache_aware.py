@@ -121,7 +121,7 @@ class CacheAwarePolicy:
             prefill, ttft = w_cost.predicted_ttft_s(w, gpu, pool, total)
             # What the placement costs the others: its prefill delays the requests that will
             # queue behind it there, about as many as queue there now (Little's law), and
-            # what it recomputes of a prefix held elsewhere delays the fleet's later arrivals.
+            # what it recomputes of a prefix one other worker holds delays later arrivals.
             # Hysteresis: leaving the worker that holds most of the prefix must win a step.
             score = (
                 ttft
