@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import heapq
 import math
 import os
 import random
@@ -232,18 +233,76 @@ def ideal_ttft_s(cached_tokens: int, input_length: int, cost: CostModel, max_bat
     return ttft
 
 
-def ideal_ttft_floor(requests: Sequence[TraceRequest], cost: CostModel, max_batched_tokens: int) -> dict[str, float | None]:
+def _floors(requests: Sequence[TraceRequest], cost: CostModel, max_batched_tokens: int) -> list[float]:
+    """Each request's ideal prefill: every block seen earlier in the window reused."""
     seen: set[int] = set()
     floors = []
     for r in requests:
         cached = _leading_seen(r.hash_ids, seen) * TRACE_BLOCK_TOKENS
         floors.append(ideal_ttft_s(cached, r.input_length, cost, max_batched_tokens))
         seen.update(r.hash_ids)
+    return floors
+
+
+def ideal_ttft_floor(requests: Sequence[TraceRequest], cost: CostModel, max_batched_tokens: int) -> dict[str, float | None]:
+    floors = _floors(requests, cost, max_batched_tokens)
     return {
         "mean_s": sum(floors) / len(floors) if floors else None,
         "p50_s": percentile(floors, 50),
         "p99_s": percentile(floors, 99),
     }
+
+
+def queued_floor(
+    requests: Sequence[TraceRequest], cost: CostModel, max_batched_tokens: int, workers: int
+) -> dict[str, Any]:
+    """The floor once the window's load queues it: each request's ideal prefill (perfect
+    reuse on an idle engine, `ideal_ttft_floor`) served at its send time by `workers`
+    engines fed from one queue, first come first served and shortest first.
+
+    A reference, not a bound: the fleet as one work-conserving queue, any prefix reusable
+    on any worker, each engine prefilling one request at a time with nothing else in its
+    steps. A real engine differs both ways: decodes lengthen its steps, and it batches
+    waiting prefills into one step, where short ones ride along almost free. What the
+    reference shows is how much queueing the load itself adds to the floor at this speed,
+    whatever the placement, on engines that serve prefills in order."""
+    floors = _floors(requests, cost, max_batched_tokens)
+    sent = [r.sent_s for r in requests]
+    floor_mean = sum(floors) / len(floors) if floors else None
+    out: dict[str, Any] = {"workers": workers}
+    for order in ("fcfs", "shortest_first"):
+        ttfts = _one_queue(sent, floors, workers, shortest_first=order == "shortest_first")
+        mean = sum(ttfts) / len(ttfts) if ttfts else None
+        out[order] = {
+            "mean_s": mean,
+            "p99_s": percentile(ttfts, 99),
+            "mean_over_floor": mean / floor_mean if mean is not None and floor_mean else None,
+        }
+    return out
+
+
+def _one_queue(sent: Sequence[float], service: Sequence[float], servers: int, *, shortest_first: bool) -> list[float]:
+    """Each job's time from arrival to the end of its service: `servers` servers, one queue,
+    non-preemptive, in arrival order or shortest service first (ties by arrival)."""
+    free_at = [0.0] * servers  # a heap: when each server is next free
+    order = sorted(range(len(sent)), key=lambda i: sent[i])
+    waiting: list[tuple[float, float, int]] = []
+    done = [0.0] * len(sent)
+    i = 0
+    now = 0.0
+    while i < len(order) or waiting:
+        now = max(now, free_at[0])  # never back in time: what waits arrived by `now`
+        if not waiting:
+            now = max(now, sent[order[i]])
+        while i < len(order) and sent[order[i]] <= now:
+            j = order[i]
+            heapq.heappush(waiting, (service[j] if shortest_first else sent[j], sent[j], j))
+            i += 1
+        _, _, j = heapq.heappop(waiting)
+        end = now + service[j]
+        heapq.heapreplace(free_at, end)
+        done[j] = end - sent[j]
+    return done
 
 
 RANDOM_LB_SEED = "trace-random-lb"
@@ -324,6 +383,7 @@ def trace_bounds(
         "ideal_reuse_fleet_kv": ideal_reuse(reqs, workers * kv_capacity_tokens),
         "ideal_reuse_fleet_kv_and_pool": ideal_reuse(reqs, workers * kv_capacity_tokens + pool_capacity_tokens),
         "ideal_ttft_floor": ideal_ttft_floor(reqs, cost, max_batched_tokens),
+        "queued_floor": queued_floor(reqs, cost, max_batched_tokens, workers),
         "capacity_bound": (
             "one LRU over 512-token blocks holding workers x per-worker KV tokens (plus the pool's "
             "capacity for routers run with it): an upper bound on any placement's reuse"
@@ -366,6 +426,15 @@ def markdown_lines(results: dict[str, Any]) -> tuple[list[str], list[str]]:
         f"Ideal TTFT floor (new blocks only, idle worker): mean {floor['mean_s']:.3f} s, p99 {floor['p99_s']:.3f} s.",
         "",
     ]
+    queued = t.get("queued_floor")
+    if queued:
+        fcfs, sjf = queued["fcfs"], queued["shortest_first"]
+        lines += [
+            f"The floor's prefills queued on one queue of the {queued['workers']} workers (perfect reuse, no "
+            f"engine overheads): first come first served mean {fcfs['mean_s']:.3f} s ({fcfs['mean_over_floor']:.2f}× "
+            f"the floor), shortest first {sjf['mean_s']:.3f} s ({sjf['mean_over_floor']:.2f}×).",
+            "",
+        ]
     rows = ["| router | pool | worker hit | ideal reuse bound | TTFT mean ÷ floor |", "|---|---|---|---|---|"]
     for key, r in results["routers"].items():
         c = results["comparison"]

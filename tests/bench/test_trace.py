@@ -26,6 +26,7 @@ from loadtests.traces import (
     load_trace,
     parse_window,
     prompt_text,
+    queued_floor,
     random_lb_speed,
     shared_dir,
 )
@@ -126,6 +127,40 @@ def test_ideal_ttft_floor_prices_only_new_blocks_on_an_idle_worker() -> None:
     assert floor["mean_s"] == pytest.approx((cold + ideal_ttft_s(20_000, 20_000, COST, 8192)) / 2)
 
 
+def test_queued_floor_queues_the_floors_work_on_one_queue_of_the_fleet() -> None:
+    """The floor's prefills served from one queue by the fleet's engines: equal to the floor
+    when no two overlap, above it when they do, and no better in arrival order than
+    shortest first."""
+    cold = ideal_ttft_s(0, 20_000, COST, 8192)
+    short = ideal_ttft_s(0, 1024, COST, 8192)
+    apart = [TraceRequest(0, 0.0, 20_000, 1, tuple(range(40))), TraceRequest(1, 10.0, 1024, 1, (99, 98))]
+    q = queued_floor(apart, COST, 8192, workers=1)
+    assert q["fcfs"]["mean_s"] == pytest.approx((cold + short) / 2) and q["fcfs"]["mean_over_floor"] == pytest.approx(1.0)
+    # A long prefill, then a short one and a shorter one arriving during it, on one
+    # engine: in arrival order both wait for it and the shorter for the short one too;
+    # shortest first serves the shorter one first.
+    shorter = ideal_ttft_s(0, 512, COST, 8192)
+    bunched = [
+        TraceRequest(0, 0.0, 20_000, 1, tuple(range(40))),
+        TraceRequest(1, cold / 4, 1024, 1, (101, 102)),
+        TraceRequest(2, cold / 2, 512, 1, (103,)),
+    ]
+    q = queued_floor(bunched, COST, 8192, workers=1)
+    fcfs = [cold, cold + short - cold / 4, cold + short + shorter - cold / 2]
+    sjf = [cold, cold + shorter + short - cold / 4, cold + shorter - cold / 2]
+    assert q["fcfs"]["mean_s"] == pytest.approx(sum(fcfs) / 3)
+    assert q["shortest_first"]["mean_s"] == pytest.approx(sum(sjf) / 3)
+    assert q["shortest_first"]["mean_s"] < q["fcfs"]["mean_s"]
+    assert q["fcfs"]["mean_over_floor"] > 1.5
+    # Two engines: the short ones take the idle one at their arrival, never before it.
+    q2 = queued_floor(bunched, COST, 8192, workers=2)
+    assert q2["fcfs"]["mean_s"] == pytest.approx((cold + short + shorter) / 3)
+    assert q2["fcfs"]["mean_over_floor"] == pytest.approx(1.0)
+    # Two arriving together on engines idle since long before: each starts at its arrival.
+    together = [TraceRequest(0, 5.0, 1024, 1, (1, 2)), TraceRequest(1, 5.0, 1024, 1, (3, 4))]
+    assert queued_floor(together, COST, 8192, workers=2)["fcfs"]["mean_s"] == pytest.approx(short)
+
+
 def test_auto_speed_fills_the_fleet_with_a_random_balancers_prefill(tmp_path: Path) -> None:
     """`--trace-speed auto`: the speed at which random placement's prefill work (over
     per-worker block LRUs) equals the fleet's time, as a scenario's load is derived."""
@@ -177,6 +212,8 @@ def test_a_small_trace_replays_through_every_router(tmp_path: Path, api: str) ->
     expected = ideal_reuse(load_trace(path).requests)
     assert trace["ideal_reuse"] == pytest.approx(expected)
     assert trace["ideal_ttft_floor"]["mean_s"] > 0
+    queued = trace["queued_floor"]
+    assert queued["workers"] == 2 and queued["fcfs"]["mean_s"] >= trace["ideal_ttft_floor"]["mean_s"] * (1 - 1e-9)
     routers = results["routers"]
     for key in ("random", "cache_aware"):
         r = routers[key]
@@ -193,7 +230,7 @@ def test_a_small_trace_replays_through_every_router(tmp_path: Path, api: str) ->
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 72 and {json.loads(line)["kind"] for line in lines} == {"trace"}
     md = (out / "results.md").read_text()
-    assert "Against the trace's ideal" in md and "Ideal reuse" in md
+    assert "Against the trace's ideal" in md and "Ideal reuse" in md and "shortest first" in md
     assert json.loads(buf.getvalue().strip().splitlines()[-1])["scenario"] == "trace conv.jsonl"
 
 
