@@ -345,11 +345,12 @@ PRIOR_CHECK_ANSWERS = 6
 """Queued answers that check a worker's prior before it has a fit of its own (few: in the
 burst that needs them, answers come back seconds apart)."""
 PRIOR_OFF_BY = 1.5
-"""A prior those answers find off by more than this factor either way is rescaled: the rule
-is for priors off by a different GPU or model (2x and more), not for a few tens of percent."""
+"""A prior those answers find too cheap by more than this factor is rescaled: the rule is for
+priors off by a different GPU or model (2x and more), not for a few tens of percent. Never
+down (`Calibrator._check_prior`)."""
 PRIOR_MAX_FACTOR = 10.0
-"""Bound on that rescaling, either way: a check of a few answers is no fit; a worker further
-off than this (a small model on a CPU core against H200 priors) is reached by its fit."""
+"""Bound on that rescaling: a check of a few answers is no fit; a worker further off than
+this (a small model on a CPU core against H200 priors) is reached by its fit."""
 
 
 class Calibrator:
@@ -409,7 +410,16 @@ class Calibrator:
         longer: a queued answer also waits for work the model does not see (the decodes
         sharing its steps, an engine out of KV admitting it late), which only adds time. So
         the lower quartile of the first few ratios, not their median, rescales the worker's
-        prior, once, before its own fit stands; learning goes on from there."""
+        prior, once, before its own fit stands; learning goes on from there.
+
+        Only upwards. The ratios bound the worker's slowness from below, not from above: the
+        queue they divide by is over-predicted by design (`queued_s` counts a prefill in
+        progress whole until its first byte), so a worker the prior prices right shows ratios
+        well under 1, and scaling its prior down by them made it look two to three times
+        faster than it was (issue 13: on the Mooncake synthetic trace two workers' priors were
+        scaled by 0.33-0.46; each then drew every long prompt and, its answers all queued, fit
+        nothing to correct it for 20-30 s). A worker faster than its prior queues less and
+        is found by its own fit."""
         worker = d.worker
         if worker in self.prior_factors or self.estimator(worker).learned:
             return
@@ -422,10 +432,10 @@ class Calibrator:
             return
         del self._prior_ratios[worker]
         factor = sorted(ratios)[len(ratios) // 4]
-        if 1 / PRIOR_OFF_BY <= factor <= PRIOR_OFF_BY:
+        if factor <= PRIOR_OFF_BY:
             self.prior_factors[worker] = 1.0
             return
-        factor = min(max(factor, 1 / PRIOR_MAX_FACTOR), PRIOR_MAX_FACTOR)
+        factor = min(factor, PRIOR_MAX_FACTOR)
         self.prior_factors[worker] = factor
         e = self.estimators[worker]
         e.rescale_prior(factor)

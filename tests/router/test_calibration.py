@@ -163,11 +163,23 @@ def test_a_prior_about_right_stands_and_early_fits_survive_a_rescale() -> None:
         _answered(off, rng, 2.5, queued=True)
     assert off.prior_factors["w0"] > PRIOR_OFF_BY
     assert off.estimators["w0"].observations == 5  # kept by the rescaled estimator
-    # Bounded either way: a worker 20x slower than the prior is first priced at the bound.
+    # Bounded: a worker 20x slower than the prior is first priced at the bound.
     far = Calibrator(PRIOR)
     for _ in range(PRIOR_CHECK_ANSWERS):
         _answered(far, rng, 20.0, queued=True)
     assert far.prior_factors["w0"] == PRIOR_MAX_FACTOR
+
+
+def test_queued_answers_never_scale_a_prior_down() -> None:
+    """Queued answers faster than predicted: the predicted queue counts prefills in progress
+    whole, so a worker the prior prices right shows ratios well under 1. Its prior stands
+    (scaled down, it drew every long prompt and, all of them queued, fit nothing)."""
+    rng = random.Random(7)
+    cal = Calibrator(PRIOR)
+    for _ in range(PRIOR_CHECK_ANSWERS):
+        _answered(cal, rng, 0.3, queued=True)
+    assert cal.prior_factors["w0"] == 1.0 and "w0" not in cal.costs
+    assert cal.estimators["w0"].prior == PRIOR
 
 
 def test_config_flags_are_priors_and_explicit_ones_win() -> None:
