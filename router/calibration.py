@@ -22,9 +22,10 @@ per observation, no window to keep) with
   is let in;
 * queueing kept out at the observation site (`Calibrator.observe`): only requests that
   found at most a small predicted queue are fitted, with that queue subtracted; the
-  queued ones still check the prior's scale while a worker has no fit of its own
-  (`Calibrator._check_prior`: a router started into a busy fleet would otherwise fit
-  nothing and price it by priors off by 2x and more until the backlog drains);
+  queued ones still check the prior's scale while a worker has no fit of its own, and
+  raise a prior they find too cheap (`Calibrator._check_prior`: a router started into a
+  busy fleet would otherwise fit nothing and price it by priors off by 2x and more until
+  the backlog drains);
 * the prior (the `--cost-*` defaults) as a ridge term whose strength is a small fraction of
   each coefficient's own information in the observations: the prior stands until
   `min_observations`, then keeps the fit defined where the observations cannot tell two
