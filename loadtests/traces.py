@@ -430,8 +430,8 @@ def markdown_lines(results: dict[str, Any]) -> tuple[list[str], list[str]]:
     if queued:
         fcfs, sjf = queued["fcfs"], queued["shortest_first"]
         lines += [
-            f"The floor's prefills queued on one queue of the {queued['workers']} workers (perfect reuse, no "
-            f"engine overheads): first come first served mean {fcfs['mean_s']:.3f} s ({fcfs['mean_over_floor']:.2f}× "
+            f"The floor's prefills queued on one queue of the {queued['workers']} workers (perfect reuse, each "
+            f"engine one prefill at a time): first come first served mean {fcfs['mean_s']:.3f} s ({fcfs['mean_over_floor']:.2f}× "
             f"the floor), shortest first {sjf['mean_s']:.3f} s ({sjf['mean_over_floor']:.2f}×).",
             "",
         ]
