@@ -107,6 +107,9 @@ class Entry:
     cost: str | None = None
     """kvroute's cost model: None (as configured for the profile), or a variant of
     `loadtests.cost_learning.COST_VARIANTS` (`cache_aware@learned`)."""
+    prefill_queue: bool = False
+    """kvroute with the prefill queue (`cache_aware+queue`): `--prefill-queue-tokens` set to
+    the simulated engines' step budget."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -117,16 +120,21 @@ def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
     return item, None
 
 
+def _split_queue_suffix(item: str) -> tuple[str, bool]:
+    return (item[: -len("+queue")], True) if item.endswith("+queue") else (item, False)
+
+
 def parse_entries(policies: str, peers: str) -> list[Entry]:
     entries: list[Entry] = []
     for raw in (p.strip() for p in policies.split(",") if p.strip()):
         named, pool = _split_pool_suffix(raw)
-        name, variant = cost_learning.split_variant(named)
+        base, queue = _split_queue_suffix(named)
+        name, variant = cost_learning.split_variant(base)
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         default = name not in CACHE_BLIND
         pool = default if pool is None else pool
-        entries.append(Entry(named if pool == default else raw, "kvroute", name, None, pool, variant))
+        entries.append(Entry(named if pool == default else raw, "kvroute", name, None, pool, variant, queue))
     for raw in (p.strip() for p in peers.split(",") if p.strip()):
         name, pool = _split_pool_suffix(raw)
         for peer, policy in parse_peer(name):
@@ -206,6 +214,8 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
     ]  # fmt: skip
     if entry.policy == "random" and entry.kind != "peer" and setup.seed is not None:
         args += ["--random-seed", str(setup.seed)]
+    if entry.prefill_queue:
+        args += ["--prefill-queue-tokens", str(traces.ENGINE_TOKEN_BUDGET)]
     if entry.cost is not None:
         return args + cost_learning.cost_args(entry.cost, build_cost_model(setup.profile), setup.time_scale)
     if setup.profile != DEFAULT_PROFILE:
@@ -381,9 +391,12 @@ def summarize(
     middle = min((r.sent_s for r in ok), default=0.0) + outcome.window_s / 2
     first_half = [r.ttft_s for r in ok if r.ttft_s is not None and r.sent_s < middle]
     second_half = [r.ttft_s for r in ok if r.ttft_s is not None and r.sent_s >= middle]
-    prompt = cached_pred = None
+    prompt = cached_pred = held = None
     reasons: dict[str, float] = {}
     if entry.kind == "kvroute":
+        held = metric_sum(router_after, "kvroute_prefill_queue_held_total") - metric_sum(
+            router_before, "kvroute_prefill_queue_held_total"
+        )
         prompt = metric_sum(router_after, "kvroute_prompt_tokens_total") - metric_sum(router_before, "kvroute_prompt_tokens_total")
         cached_pred = metric_sum(router_after, "kvroute_predicted_cached_tokens_total") - metric_sum(
             router_before, "kvroute_predicted_cached_tokens_total"
@@ -437,6 +450,7 @@ def summarize(
         "computed_prompt_tokens": delta.get("sim:computed_prompt_tokens_total"),
         "preemptions": delta.get("vllm:num_preemptions_total"),
         "route_reasons": {k: v for k, v in sorted(reasons.items()) if v},
+        "prefill_queue_held": held,
         "requests_per_worker": dict(sorted(per_worker.items())),
         "ttft_by_turn": {
             str(t): {"n": len(v), "mean_s": _mean(v), "p99_s": percentile(v, 99)} for t, v in sorted(by_turn.items())
@@ -682,7 +696,7 @@ def _plots(out: Path, results: dict[str, Any], records: dict[str, list[harness.R
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="seed")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool, NAME+queue (with the prefill queue)")
     p.add_argument("--peers", default="", help=f"peer routers: {', '.join(PEERS)} (or vllm-router/consistent_hash)")
     p.add_argument("--find-capacity", action="store_true", help="bisect each router's capacity at the SLO")
     p.add_argument("--slo-p99-ttft", type=float, default=2.0, help="p99 TTFT SLO in simulated seconds (capacity)")

@@ -83,6 +83,15 @@ class KvrouteApp:
                 lambda: {(): float(self.admission.queued)},
             )
         )
+        prefill_queue = self.proxy.prefill_queue
+        registry.callback_gauge(
+            "kvroute_prefill_queue_depth", "Requests waiting in the router for a worker to free (--prefill-queue-tokens).",
+            (), lambda: {(): float(prefill_queue.waiting)},
+        )  # fmt: skip
+        registry.callback_counter(
+            "kvroute_prefill_queue_held_total", "Requests that waited in the prefill queue (--prefill-queue-tokens).",
+            (), lambda: {(): float(prefill_queue.held)},
+        )  # fmt: skip
 
     # -- lifespan -----------------------------------------------------------------------
     @contextlib.asynccontextmanager

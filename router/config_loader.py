@@ -74,7 +74,7 @@ FLAT_KEYS: dict[str, Slot] = {
         "outlier", "outlier_", "interval_s", "min_requests", "error_rate", "latency_factor", "ejection_s",
         "max_ejected_fraction",
     ),
-    **_same("overload", "max_inflight_per_worker", "queue_size", "queue_timeout_s", "retry_after_s"),
+    **_same("overload", "max_inflight_per_worker", "queue_size", "queue_timeout_s", "retry_after_s", "prefill_queue_tokens"),
     **_same("server", "shutdown_grace_s", "keep_alive_s"),
     **_same("security", "api_keys", "api_keys_file", "admin_token", "admin_token_file"),
     **_same("precise", "tokenizer", "block_size", "hash_algo", "hash_seed", "kv_events", "kv_events_discover", "kv_events_cpu"),
@@ -120,7 +120,10 @@ HELP = {
     "upstream_client": "forwarding client: raw (default), or httpx / aiohttp to compare in benchmarks",
     "max_inflight_per_worker": "requests in flight to one worker before new ones queue (0: no limit)",
     "queue_size": "requests that may wait for a worker slot; beyond, 429 with Retry-After",
-    "queue_timeout_s": "longest a request waits for a worker slot before 429",
+    "queue_timeout_s": "longest a request waits for a worker slot before 429 (and in the prefill queue)",
+    "prefill_queue_tokens": "the engines' max_num_batched_tokens, to hold requests in the router while every "
+    "worker has a full step of prefill queued and route them as workers free, shortest prefill first "
+    "(0: off, the default; docs/reliability.md)",
     "shutdown_grace_s": "on SIGTERM, how long in-flight requests and streams may take to finish",
     "keep_alive_s": "idle client connections are kept this long (longer than clients keep theirs)",
     "breaker_failures": "consecutive failures that open a worker's circuit (0: never)",

@@ -257,6 +257,7 @@ def build_services(
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
         tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,
         limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
+        prefill_queue=config.overload.prefill_queue(cost),
     )
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(

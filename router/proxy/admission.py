@@ -70,8 +70,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar
 
+from router.cost import CostModel
 from router.errors import RouterError
 from router.proxy.fair import NO_FLOW, Activity, FairQueue, FifoQueue, Flow, WaitQueue
+from router.proxy.prefill_queue import NoPrefillQueue, PrefillQueue
 
 
 class Admission:
@@ -446,6 +448,10 @@ class AdmissionSettings:
     """Requests that may wait for a slot; beyond, 429."""
     queue_timeout_s: float = 10.0
     retry_after_s: int = 1
+    prefill_queue_tokens: int = 0
+    """The engines' `max_num_batched_tokens`, to hold requests in the router while every
+    worker has a full step of prefill queued, routed as workers free, shortest prefill first
+    (router/proxy/prefill_queue.py; 0: off)."""
 
     def admission(self, *, fair: bool = False) -> Admission:
         """Per-worker in-flight limits and the wait queue, or none (`max_inflight_per_worker` 0).
@@ -456,3 +462,10 @@ class AdmissionSettings:
         if fair:
             admission.use_queue(FairQueue())
         return admission
+
+    def prefill_queue(self, cost: CostModel) -> PrefillQueue:
+        """The prefill queue (`cost` prices a step's tokens on workers without costs of their
+        own), or none. A request waits in it at most `queue_timeout_s`."""
+        if self.prefill_queue_tokens <= 0:
+            return NoPrefillQueue()
+        return PrefillQueue(self.prefill_queue_tokens, cost, self.queue_timeout_s)

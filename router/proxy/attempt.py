@@ -101,6 +101,7 @@ class Attempt:
         """The worker answered: its prefill leaves the queue; breaker and health see a success."""
         proxy = self.proxy
         proxy.loads.first_byte(self.ticket)
+        proxy.prefill_queue.kick()
         self._unmark()
         self.worker.breaker.success()
         if latency_s is not None:
@@ -118,6 +119,7 @@ class Attempt:
         queue, and its time is what cost learning fits (its first byte came before prefill)."""
         self.first_byte_s = now - self.sent_at
         self.proxy.loads.first_byte(self.ticket)
+        self.proxy.prefill_queue.kick()
         self._unmark()
         self._timed(self.first_byte_s)
 
@@ -143,6 +145,7 @@ class Attempt:
         """The try is over, whatever its outcome: its ticket and its slot go back."""
         proxy = self.proxy
         proxy.loads.release(self.ticket)
+        proxy.prefill_queue.kick()
         self._unmark()
         if proxy.admission.limits_inflight:
             proxy.admission.released()

@@ -48,7 +48,7 @@ class Disconnected(Exception):
 class Exchange:
     __slots__ = (
         "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "generated", "grant",
-        "headers", "kind", "last_error", "model", "payload", "queue_deadline", "recorded", "scope", "send", "session_key",
+        "headers", "kind", "last_error", "model", "payload", "prefill_turn", "queue_deadline", "recorded", "scope", "send", "session_key",
         "started", "stream", "tenant", "tried", "turn",
     )  # fmt: skip
 
@@ -79,6 +79,8 @@ class Exchange:
         self.last_error = "no worker tried"
         self.turn = False
         """Holds a slot handed over by the admission queue, until it takes a ticket."""
+        self.prefill_turn = False
+        """Holds a turn handed over by the prefill queue, until it takes a ticket."""
         self.queue_deadline = 0.0
         """Loop time by which a queued request must have a slot (0: never queued yet)."""
         self.tenant: Tenant | None = None

@@ -46,6 +46,7 @@ from router.proxy.attempt import Attempt, AttemptFailed
 from router.proxy.deadlines import Deadlines
 from router.proxy.exchange import Disconnected, Exchange, canonical, read_body
 from router.proxy.fair import NO_FLOW, Flow
+from router.proxy.prefill_queue import NoPrefillQueue, PrefillQueue
 from router.proxy.relay import send_whole
 from router.proxy.settings import ProxySettings
 from router.proxy.stateful import Learner, ResponsesAffinity, owner_unavailable, previous_id
@@ -124,8 +125,12 @@ class Proxy:
         salter: CacheSalter | None = None,
         limiter: TenantLimiter | None = None,
         calibrator: Calibrator | None = None,
+        prefill_queue: PrefillQueue | None = None,
     ) -> None:
         self.settings = settings
+        self.prefill_queue: PrefillQueue = prefill_queue if prefill_queue is not None else NoPrefillQueue()
+        """Holds requests while every worker has a full step of prefill queued (NoPrefillQueue: off)."""
+        self.prefill_queue.free_workers = self._free_workers
         self.limiter = limiter
         """With tenants: their limits (router/tenants/enforce.py)."""
         self.calibrator = calibrator
@@ -326,6 +331,8 @@ class Proxy:
             if admission.busy(flow):
                 first = None  # decided again after the wait: the loads will have changed
                 await self._wait_for_slot(ex)
+            if self.prefill_queue.enabled:
+                first = await self._hold_for_prefill(ex, first)
             while True:
                 choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
                 first = None
@@ -343,6 +350,9 @@ class Proxy:
         finally:
             if ex.turn:
                 admission.end_turn()
+            if ex.prefill_turn:
+                ex.prefill_turn = False
+                self.prefill_queue.end_turn(ex.model)
         if ex.kind == "responses" and (prev := previous_id(ex.body)) is not None:
             # Pinned: no other worker stores that response (it would answer 404).
             raise owner_unavailable(prev)
@@ -366,6 +376,25 @@ class Proxy:
                 self.metrics.tenant_rejected(ex.tenant, REASONS[exc.limit])
                 raise
         return choice
+
+    async def _hold_for_prefill(self, ex: Exchange, first: Routed | None) -> Routed | None:
+        """While every candidate has a full engine step of prefill queued, wait in the prefill
+        queue (router/proxy/prefill_queue.py) and return None: decided again with the loads
+        of its turn. A request pinned to one worker (a stored response's owner) does not
+        wait. With in-flight limits it keeps the slot it was handed meanwhile."""
+        if ex.kind == "responses" and previous_id(ex.body) is not None:
+            return first
+        choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
+        queue = self.prefill_queue
+        if not queue.must_wait(ex.model, choice.loads):
+            return choice
+        ex.prefill_turn = await queue.wait(ex.model, choice.decision.prefill_s)
+        return None
+
+    def _free_workers(self, model: str) -> int:
+        """`model`'s serving workers under the prefill queue's busy mark."""
+        candidates = self.fleet.candidates(model or None)
+        return self.prefill_queue.free(self.loads.snapshot([w.name for w in candidates]))
 
     def _observe_route(self, ex: Exchange, choice: Routed) -> None:
         """The first decision's metrics (a request re-ranked after queueing counts once)."""
@@ -440,6 +469,9 @@ class Proxy:
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
+            if ex.prefill_turn:
+                ex.prefill_turn = False
+                self.prefill_queue.end_turn(ex.model)
             ex.attempts += 1
             ex.tried.add(name)
             admission.took(flow)

@@ -152,6 +152,15 @@ def test_queued_floor_queues_the_floors_work_on_one_queue_of_the_fleet() -> None
     assert q["shortest_first"]["mean_s"] == pytest.approx(sum(sjf) / 3)
     assert q["shortest_first"]["mean_s"] < q["fcfs"]["mean_s"]
     assert q["fcfs"]["mean_over_floor"] > 1.5
+    # By arrival + prefill (the prefill queue's order): keys cold/4 + short and cold/2 +
+    # shorter; the shorter one arrived after the short one by more than their difference in
+    # prefill, so the short one goes first, as in arrival order.
+    assert cold / 4 + short < cold / 2 + shorter
+    assert q["arrival_plus_prefill"]["mean_s"] == pytest.approx(sum(fcfs) / 3)
+    close = [*bunched[:2], TraceRequest(2, cold / 4 + 1e-4, 512, 1, (103,))]  # here it passes
+    assert queued_floor(close, COST, 8192, workers=1)["arrival_plus_prefill"]["mean_s"] == pytest.approx(
+        (cold + (cold + shorter + short - cold / 4) + (cold + shorter - cold / 4 - 1e-4)) / 3
+    )
     # Two engines: the short ones take the idle one at their arrival, never before it.
     q2 = queued_floor(bunched, COST, 8192, workers=2)
     assert q2["fcfs"]["mean_s"] == pytest.approx((cold + short + shorter) / 3)

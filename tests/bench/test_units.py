@@ -12,6 +12,8 @@ from loadtests.bench import (
     MAX_AUTO_TIME_SCALE,
     MIN_AUTO_TIME_SCALE,
     Entry,
+    RunSetup,
+    _kvroute_args,
     auto_time_scale,
     comparison,
     parse_entries,
@@ -28,6 +30,7 @@ from loadtests.harness import (
     process_trees,
     worker_hit_ratio,
 )
+from loadtests.sim.costs import DEFAULT_PROFILE
 
 
 def test_cache_blind_policies_run_without_the_pool_unless_told() -> None:
@@ -36,6 +39,18 @@ def test_cache_blind_policies_run_without_the_pool_unless_told() -> None:
     assert entries["cache_aware"].pool is True
     assert entries["random+pool"].pool is True and entries["random+pool"].policy == "random"
     assert entries["cache_aware-nopool"].pool is False
+
+
+def test_a_queue_suffix_runs_kvroute_with_the_prefill_queue() -> None:
+    entries = {e.key: e for e in parse_entries("cache_aware,cache_aware+queue,cache_aware@learned+queue-nopool", "")}
+    assert not entries["cache_aware"].prefill_queue
+    queued = entries["cache_aware+queue"]
+    assert queued.prefill_queue and queued.policy == "cache_aware" and queued.pool
+    learned = entries["cache_aware@learned+queue-nopool"]
+    assert learned.prefill_queue and learned.cost == "learned" and not learned.pool
+    setup = RunSetup(workers=2, profile=DEFAULT_PROFILE, time_scale=1.0, kv_capacity_tokens=1000,
+                     pool_capacity_tokens=0, logs=Path("."))  # fmt: skip
+    assert [("--prefill-queue-tokens" in _kvroute_args(setup, e)) for e in entries.values()] == [False, True, True]
 
 
 def test_peers_expand_to_their_policies() -> None:
