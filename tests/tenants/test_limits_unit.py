@@ -500,12 +500,13 @@ def test_a_whole_answer_s_prefill_counts_as_over_when_it_was_predicted_to_end(lo
 
     from router.load.board import LocalLoadBoard
     from router.proxy.attempt import Attempt
+    from router.proxy.prefill_queue import NoPrefillQueue
     from router.workers import Worker
 
     async def scenario() -> None:
         adm = fair_admission(per_worker=4)
         adm.bind_slots(lambda: (8, 8))
-        proxy = SimpleNamespace(admission=adm, loads=LocalLoadBoard())
+        proxy = SimpleNamespace(admission=adm, loads=LocalLoadBoard(), prefill_queue=NoPrefillQueue())
         whole = Attempt(proxy, Worker("w0", "http://w0.test"), "cache_hit", prefill_s=0.05)  # type: ignore[arg-type]
         streamed = Attempt(proxy, Worker("w1", "http://w1.test"), "cache_hit", prefill_s=0.05)  # type: ignore[arg-type]
         whole.mark(Flow("x"), light=False, stream=False)
