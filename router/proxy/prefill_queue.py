@@ -1,5 +1,6 @@
-"""Late binding at saturation: while every worker has prefill queued, requests wait in the
-router, the one whose prefill ends soonest first, and are routed when a worker frees.
+"""Late binding at saturation: while every worker has a full engine step of prefill queued,
+requests wait in the router, the one whose prefill ends soonest first, and are routed when a
+worker frees.
 
 An engine serves its waiting queue in arrival order, and a request routed to a busy worker
 is committed there: if that worker's queue drains later than another's, or a short prompt
@@ -11,10 +12,12 @@ many tokens, priced by the worker's own cost model) waits here instead. A worker
 still fills its next step with what it has, and short prefills batched into one step cost
 about as much as one: holding those back would serialise them (measured on `seed`, where
 new tokens per turn are short: a mark of one decode step, tried first, held nearly every
-request and took the mean TTFT from 0.17 s to 1.38 s at 9.16 sessions/s). Whenever a prefill leaves a worker's queue (a first byte, a released attempt), the
-waiter first in order is woken and routed afresh: the policy then sees the loads of that
-moment, and sends it to the freed worker or, if its cached prefix is worth the wait, to the
-busy worker holding it. Order: arrival time plus the request's predicted prefill (its
+request and took the mean TTFT from 0.17 s to 1.38 s at 9.16 sessions/s).
+
+Whenever a prefill leaves a worker's queue (a first byte, a released attempt), the waiter
+first in order is woken and routed afresh: the policy then sees the loads of that moment,
+and sends it to the freed worker or, if its cached prefix is worth the wait, to the busy
+worker holding it. Order: arrival time plus the request's predicted prefill (its
 decision at arrival), so shorter prefills go first, but none waits for later arrivals more
 than its own prefill's length ahead (pure shortest-first lets a long prompt wait for every
 short one that comes; measured on the Mooncake traces in docs/benchmark.md).
