@@ -394,13 +394,13 @@ def summarize(
     prompt = cached_pred = held = None
     reasons: dict[str, float] = {}
     if entry.kind == "kvroute":
-        held = metric_sum(router_after, "kvroute_prefill_queue_held_total") - metric_sum(
-            router_before, "kvroute_prefill_queue_held_total"
-        )
-        prompt = metric_sum(router_after, "kvroute_prompt_tokens_total") - metric_sum(router_before, "kvroute_prompt_tokens_total")
-        cached_pred = metric_sum(router_after, "kvroute_predicted_cached_tokens_total") - metric_sum(
-            router_before, "kvroute_predicted_cached_tokens_total"
-        )
+
+        def router_delta(name: str) -> float:
+            return metric_sum(router_after, name) - metric_sum(router_before, name)
+
+        held = router_delta("kvroute_prefill_queue_held_total")
+        prompt = router_delta("kvroute_prompt_tokens_total")
+        cached_pred = router_delta("kvroute_predicted_cached_tokens_total")
         for labels, value in router_after.get("kvroute_requests_total", []):
             reasons[labels.get("reason", "?")] = reasons.get(labels.get("reason", "?"), 0.0) + value
         for labels, value in router_before.get("kvroute_requests_total", []):

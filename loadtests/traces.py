@@ -245,7 +245,10 @@ def _floors(requests: Sequence[TraceRequest], cost: CostModel, max_batched_token
 
 
 def ideal_ttft_floor(requests: Sequence[TraceRequest], cost: CostModel, max_batched_tokens: int) -> dict[str, float | None]:
-    floors = _floors(requests, cost, max_batched_tokens)
+    return _floor_summary(_floors(requests, cost, max_batched_tokens))
+
+
+def _floor_summary(floors: Sequence[float]) -> dict[str, float | None]:
     return {
         "mean_s": sum(floors) / len(floors) if floors else None,
         "p50_s": percentile(floors, 50),
@@ -267,7 +270,11 @@ def queued_floor(
     waiting prefills into one step, where short ones ride along almost free. What the
     reference shows is how much queueing the load itself adds to the floor at this speed,
     whatever the placement, on engines that serve prefills in order."""
-    floors = _floors(requests, cost, max_batched_tokens)
+    return _queued(requests, _floors(requests, cost, max_batched_tokens), workers)
+
+
+def _queued(requests: Sequence[TraceRequest], floors: Sequence[float], workers: int) -> dict[str, Any]:
+    """`queued_floor` from the requests' floors (`_floors`)."""
     sent = [r.sent_s for r in requests]
     floor_mean = sum(floors) / len(floors) if floors else None
     out: dict[str, Any] = {"workers": workers}
@@ -369,6 +376,7 @@ def trace_bounds(
 ) -> dict[str, Any]:
     """The trace's section of results.json: its window and what it allows at best."""
     reqs = trace.requests
+    floors = _floors(reqs, cost, max_batched_tokens)  # for both the floor and its queued form
     return {
         "path": trace.path,
         "api": trace.api,
@@ -386,8 +394,8 @@ def trace_bounds(
         "ideal_reuse": ideal_reuse(reqs),
         "ideal_reuse_fleet_kv": ideal_reuse(reqs, workers * kv_capacity_tokens),
         "ideal_reuse_fleet_kv_and_pool": ideal_reuse(reqs, workers * kv_capacity_tokens + pool_capacity_tokens),
-        "ideal_ttft_floor": ideal_ttft_floor(reqs, cost, max_batched_tokens),
-        "queued_floor": queued_floor(reqs, cost, max_batched_tokens, workers),
+        "ideal_ttft_floor": _floor_summary(floors),
+        "queued_floor": _queued(reqs, floors, workers),
         "capacity_bound": (
             "one LRU over 512-token blocks holding workers x per-worker KV tokens (plus the pool's "
             "capacity for routers run with it): an upper bound on any placement's reuse"
@@ -433,7 +441,7 @@ def markdown_lines(results: dict[str, Any]) -> tuple[list[str], list[str]]:
     queued = t.get("queued_floor")
     if queued:
         fcfs, sjf = queued["fcfs"], queued["shortest_first"]
-        aged = queued.get("arrival_plus_prefill") or fcfs
+        aged = queued["arrival_plus_prefill"]
         lines += [
             f"The floor's prefills queued on one queue of the {queued['workers']} workers (perfect reuse, each "
             f"engine one prefill at a time): first come first served mean {fcfs['mean_s']:.3f} s ({fcfs['mean_over_floor']:.2f}× "

@@ -144,8 +144,10 @@ class Attempt:
     def release(self) -> None:
         """The try is over, whatever its outcome: its ticket and its slot go back."""
         proxy = self.proxy
+        prefilling = not self.ticket.first_byte
         proxy.loads.release(self.ticket)
-        proxy.prefill_queue.kick()
+        if prefilling:  # its prefill leaves the queue only now (no first byte: it failed or was cut)
+            proxy.prefill_queue.kick()
         self._unmark()
         if proxy.admission.limits_inflight:
             proxy.admission.released()

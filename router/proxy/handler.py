@@ -350,9 +350,7 @@ class Proxy:
         finally:
             if ex.turn:
                 admission.end_turn()
-            if ex.prefill_turn:
-                ex.prefill_turn = False
-                self.prefill_queue.end_turn(ex.model)
+            self._end_prefill_turn(ex)
         if ex.kind == "responses" and (prev := previous_id(ex.body)) is not None:
             # Pinned: no other worker stores that response (it would answer 404).
             raise owner_unavailable(prev)
@@ -390,6 +388,12 @@ class Proxy:
             return choice
         ex.prefill_turn = await queue.wait(ex.model, choice.decision.prefill_s)
         return None
+
+    def _end_prefill_turn(self, ex: Exchange) -> None:
+        """The request took its ticket (or gave up): a turn it held goes to the next waiter."""
+        if ex.prefill_turn:
+            ex.prefill_turn = False
+            self.prefill_queue.end_turn(ex.model)
 
     def _free_workers(self, model: str) -> int:
         """`model`'s serving workers under the prefill queue's busy mark."""
@@ -469,9 +473,7 @@ class Proxy:
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
-            if ex.prefill_turn:
-                ex.prefill_turn = False
-                self.prefill_queue.end_turn(ex.model)
+            self._end_prefill_turn(ex)
             ex.attempts += 1
             ex.tried.add(name)
             admission.took(flow)
