@@ -15,10 +15,10 @@ alone, ...) so that drift on a shared machine falls on both alike.
 
 `fairness`: one replica, `--max-inflight-per-worker` slots per simulated worker. The
 fleet's capacity is measured first (a closed loop holding every slot busy for
-`--probe-s`), then, for each of `--seeds`, tenant `y` sends at 0.2 × capacity alone, then
-again (the same arrivals) while `x` bursts at 5 × capacity from `--lead-s` seconds in; y is
-measured from that moment in both phases (a steady tenant already there when the burst
-comes). Reported per seed: y's TTFT (p50/p99/mean) alone and under the burst and their
+`--probe-s`), then, for each of `--seeds`, tenant `y` sends at 0.2 × capacity alone
+(Poisson arrivals, or evenly spaced with `--y-arrivals steady`), then again (the same
+arrivals) while `x` bursts at 5 × capacity from `--lead-s` seconds in; y is measured from
+that moment in both phases (a tenant already there when the burst comes). Reported per seed: y's TTFT (p50/p99/mean) alone and under the burst and their
 ratio, y's 429s, x's accepted rate and TTFT, and a sanity bound (x's mean TTFT of accepted
 requests must stay under the queue timeout + the service time). With `--compare-fifo` the
 burst phase runs again without tenants (the FIFO queue), to show what the fair queue
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,8 @@ class Flow:
     max_tokens: int
     start_s: float = 0.0
     """When the flow's first arrivals may come, seconds into the phase."""
+    steady: bool = False
+    """Evenly spaced arrivals, one every 1/rate s from a seeded offset, instead of Poisson."""
     samples: list[Sample] = field(default_factory=list)
 
 
@@ -130,10 +132,25 @@ async def one(client: UpstreamClient, url: str, flow: Flow, t0: float, seq: int,
 MODEL = ["sim-llama3-8b"]
 
 
+def arrival_times(flow: Flow, duration_s: float, seed: int) -> Iterator[float]:
+    """A flow's send times, seconds into the phase: Poisson at its rate, or one every 1/rate s
+    from a seeded offset for a `steady` flow. One generator per flow: the times depend only on
+    the seed and the flow's name, so a tenant alone and beside a burst sees the same arrivals."""
+    rng = random.Random(f"{seed}-{flow.name}")
+
+    def gap() -> float:
+        return 1 / flow.rate if flow.steady else rng.expovariate(flow.rate)
+
+    at = flow.start_s + (rng.uniform(0, 1 / flow.rate) if flow.steady else gap())
+    while at < duration_s:
+        yield at
+        at += gap()
+
+
 async def poisson(urls: Sequence[str], flows: Sequence[Flow], duration_s: float, seed: int,
                   events: dict[float, Any] | None = None) -> float:
-    """Open-loop Poisson arrivals per flow for `duration_s`, each request to the next URL in
-    turn; `events`: {second: callable} run once that second is reached. Returns t0."""
+    """Open-loop arrivals per flow for `duration_s` (`arrival_times`), each request to the
+    next URL in turn; `events`: {second: callable} run once that second is reached. Returns t0."""
     client = make_client()
     try:
         t0 = time.perf_counter()
@@ -141,21 +158,14 @@ async def poisson(urls: Sequence[str], flows: Sequence[Flow], duration_s: float,
         next_url = itertools.cycle(urls)
 
         async def arrivals(flow: Flow) -> None:
-            # One generator per flow: a flow's arrival times depend only on the seed and its
-            # name, so a tenant alone and beside a burst sees the very same arrivals.
-            rng = random.Random(f"{seed}-{flow.name}")
             # Prompts new to the workers in every call: a phase that repeated an earlier
             # phase's prompts (the same names and sequence numbers) would measure cache hits.
             run = uuid.uuid4().hex[:12]
-            seq = 0
-            at = flow.start_s + rng.expovariate(flow.rate)
-            while at < duration_s:
+            for seq, at in enumerate(arrival_times(flow, duration_s, seed)):
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(client, next(next_url), flow, t0, seq, run)))
-                seq += 1
-                at += rng.expovariate(flow.rate)
 
         async def timeline() -> None:
             for second, action in sorted((events or {}).items()):
@@ -341,7 +351,8 @@ def run_fairness(args: argparse.Namespace, tenants_file: str, log_dir: str) -> d
         MODEL[0] = cluster.model
 
         def flow(name: str, rate: float, start_s: float = 0.0) -> Flow:
-            return Flow(name, f"sk-{name}", rate, prompt_of(args.prompt_tokens, name), args.max_tokens, start_s)
+            steady = name == "y" and args.y_arrivals == "steady"
+            return Flow(name, f"sk-{name}", rate, prompt_of(args.prompt_tokens, name), args.max_tokens, start_s, steady)
 
         def phase(tenants: bool, flows: list[Flow], seed: int, span: float) -> str:
             extra = [*admission, "--tenants", tenants_file] if tenants else admission
@@ -356,6 +367,7 @@ def run_fairness(args: argparse.Namespace, tenants_file: str, log_dir: str) -> d
             "workers": args.workers, "max_inflight_per_worker": args.max_inflight, "slots": slots,
             "time_scale": args.time_scale, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "queue_timeout_s": args.queue_timeout, "queue_size": args.queue_size, "lead_s": args.lead_s,
+            "y_arrivals": args.y_arrivals,
             "capacity_per_s": round(capacity, 3), "x_rate_per_s": round(x_rate, 3), "y_rate_per_s": round(y_rate, 3),
             "runs": [],
         })
@@ -433,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-fifo", action="store_true", help="rerun the burst without tenants (FIFO queue)")
     p.add_argument("--lead-s", type=float, default=10.0,
                    help="y sends alone this long before x's burst starts; y is measured from the burst's start")
+    p.add_argument("--y-arrivals", choices=("poisson", "steady"), default="poisson",
+                   help="y's arrivals: Poisson (clumps up to several times its rate) or evenly spaced")
     p.add_argument("--seeds", default="4", help="arrival seeds, comma-separated: one alone/burst pair each")
     args = p.parse_args(argv)
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

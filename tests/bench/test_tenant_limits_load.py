@@ -4,11 +4,12 @@ upstream: what it sends, not how fast."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import orjson
 
 from loadtests import tenant_limits
-from loadtests.tenant_limits import Flow, poisson, prompt_of
+from loadtests.tenant_limits import Flow, arrival_times, poisson, prompt_of
 from tests.support.upstream import RecordingUpstream
 
 
@@ -38,3 +39,15 @@ def test_a_flow_starts_at_its_start_time() -> None:
         late = Flow("x", "sk-x", 40.0, prompt_of(50, "x"), 2, start_s=0.4)
         asyncio.run(poisson([upstream.url], [late], 0.8, seed=1))
     assert late.samples and min(s.sent_at for s in late.samples) >= 0.4
+
+
+
+def test_a_steady_flow_arrives_evenly_and_a_poisson_flow_does_not() -> None:
+    """`--y-arrivals steady`: one request every 1/rate s; the same seed gives the same times."""
+    steady = Flow("y", "sk-y", 2.0, "", 1, start_s=1.0, steady=True)
+    times = list(arrival_times(steady, 61.0, seed=5))
+    assert times == list(arrival_times(steady, 61.0, seed=5))
+    assert 1.0 <= times[0] < 1.5 and len(times) == 120
+    assert all(abs(b - a - 0.5) < 1e-9 for a, b in itertools.pairwise(times))
+    clumpy = list(arrival_times(Flow("y", "sk-y", 2.0, "", 1, start_s=1.0), 61.0, seed=5))
+    assert min(b - a for a, b in itertools.pairwise(clumpy)) < 0.1  # Poisson clumps
