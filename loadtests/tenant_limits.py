@@ -18,9 +18,10 @@ fleet's capacity is measured first (a closed loop holding every slot busy for
 `--probe-s`), then, for each of `--seeds`, tenant `y` sends at 0.2 × capacity alone
 (Poisson arrivals, or evenly spaced with `--y-arrivals steady`), then again (the same
 arrivals) while `x` bursts at 5 × capacity from `--lead-s` seconds in; y is measured from
-that moment in both phases (a tenant already there when the burst comes). Reported per seed: y's TTFT (p50/p99/mean) alone and under the burst and their
-ratio, y's 429s, x's accepted rate and TTFT, and a sanity bound (x's mean TTFT of accepted
-requests must stay under the queue timeout + the service time). With `--compare-fifo` the
+that moment in both phases (a tenant already there when the burst comes). Reported per
+seed: y's TTFT (p50/p99/mean) alone and under the burst and their ratio, y's 429s, x's
+accepted rate and TTFT, and a sanity bound (x's mean TTFT of accepted requests must stay
+under the queue timeout + the service time). With `--compare-fifo` the
 burst phase runs again without tenants (the FIFO queue), to show what the fair queue
 changes.
 
@@ -147,7 +148,7 @@ def arrival_times(flow: Flow, duration_s: float, seed: int) -> Iterator[float]:
         at += gap()
 
 
-async def poisson(urls: Sequence[str], flows: Sequence[Flow], duration_s: float, seed: int,
+async def open_loop(urls: Sequence[str], flows: Sequence[Flow], duration_s: float, seed: int,
                   events: dict[float, Any] | None = None) -> float:
     """Open-loop arrivals per flow for `duration_s` (`arrival_times`), each request to the
     next URL in turn; `events`: {second: callable} run once that second is reached. Returns t0."""
@@ -266,13 +267,13 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
                 return Flow("steady", "sk-steady", args.steady_rate, prompt_of(args.prompt_tokens, "steady"), 16)
 
             # Warm-up (connections, first requests), unmeasured.
-            asyncio.run(poisson(urls, [steady()], 5.0, seed=0))
+            asyncio.run(open_loop(urls, [steady()], 5.0, seed=0))
             capped = Flow("capped", "sk-capped", args.capped_rate, prompt_of(args.prompt_tokens, "capped"), 16)
             together = steady()
             start = args.duration / 2 - args.outage_s / 2
             window = (start, start + args.outage_s)
             events = {window[0]: redis_server.kill, window[1]: redis_server.start}
-            asyncio.run(poisson(urls, [capped, together], args.duration, seed=2, events=events))
+            asyncio.run(open_loop(urls, [capped, together], args.duration, seed=2, events=events))
             metrics = [r.metrics() for r in routers]
             # Steady's TTFT alone against beside the capped tenant, in alternating blocks:
             # on a shared machine TTFT drifts between runs by more than the 10 % compared.
@@ -281,11 +282,11 @@ def run_limits(args: argparse.Namespace, tenants_file: str, log_dir: str) -> dic
             # that of the refused 40/s.
             alone, beside, control = steady(), steady(), steady()
             for block in range(args.ab_blocks):
-                asyncio.run(poisson(urls, [alone], args.ab_block_s, seed=100 + block))
+                asyncio.run(open_loop(urls, [alone], args.ab_block_s, seed=100 + block))
                 capped_ab = Flow("capped", "sk-capped", args.capped_rate, capped.prompt, 16)
-                asyncio.run(poisson(urls, [capped_ab, beside], args.ab_block_s, seed=100 + block))
+                asyncio.run(open_loop(urls, [capped_ab, beside], args.ab_block_s, seed=100 + block))
                 other = Flow("control", "sk-control", limit, capped.prompt, 16)
-                asyncio.run(poisson(urls, [other, control], args.ab_block_s, seed=100 + block))
+                asyncio.run(open_loop(urls, [other, control], args.ab_block_s, seed=100 + block))
         finally:
             for r in routers:
                 r.stop()
@@ -357,7 +358,7 @@ def run_fairness(args: argparse.Namespace, tenants_file: str, log_dir: str) -> d
         def phase(tenants: bool, flows: list[Flow], seed: int, span: float) -> str:
             extra = [*admission, "--tenants", tenants_file] if tenants else admission
             with RouterProcess(cluster.worker_urls, extra_args=extra, log_path=f"{log_dir}/fair.log") as r:
-                asyncio.run(poisson([r.url], flows, span, seed=seed))
+                asyncio.run(open_loop([r.url], flows, span, seed=seed))
                 return r.metrics()
 
         with RouterProcess(cluster.worker_urls, extra_args=[*admission, "--tenants", tenants_file]) as r:

@@ -9,7 +9,7 @@ import itertools
 import orjson
 
 from loadtests import tenant_limits
-from loadtests.tenant_limits import Flow, arrival_times, poisson, prompt_of
+from loadtests.tenant_limits import Flow, arrival_times, open_loop, prompt_of
 from tests.support.upstream import RecordingUpstream
 
 
@@ -23,9 +23,9 @@ def test_each_call_sends_prompts_new_to_the_workers() -> None:
     with RecordingUpstream() as upstream:
         tenant_limits.MODEL[0] = upstream.model
         first, second = (Flow("steady", "sk-steady", 40.0, prompt_of(50, "steady"), 2) for _ in range(2))
-        asyncio.run(poisson([upstream.url], [first], 0.5, seed=3))
+        asyncio.run(open_loop([upstream.url], [first], 0.5, seed=3))
         sent_first = _prompts(upstream)
-        asyncio.run(poisson([upstream.url], [second], 0.5, seed=3))
+        asyncio.run(open_loop([upstream.url], [second], 0.5, seed=3))
         sent_second = _prompts(upstream)[len(sent_first):]
     assert len(sent_first) == len(sent_second) > 5  # the same arrivals
     assert all(s.status == 200 for s in first.samples + second.samples)
@@ -37,9 +37,8 @@ def test_a_flow_starts_at_its_start_time() -> None:
     with RecordingUpstream() as upstream:
         tenant_limits.MODEL[0] = upstream.model
         late = Flow("x", "sk-x", 40.0, prompt_of(50, "x"), 2, start_s=0.4)
-        asyncio.run(poisson([upstream.url], [late], 0.8, seed=1))
+        asyncio.run(open_loop([upstream.url], [late], 0.8, seed=1))
     assert late.samples and min(s.sent_at for s in late.samples) >= 0.4
-
 
 
 def test_a_steady_flow_arrives_evenly_and_a_poisson_flow_does_not() -> None:
