@@ -122,7 +122,7 @@ HELP = {
     "queue_size": "requests that may wait for a worker slot; beyond, 429 with Retry-After",
     "queue_timeout_s": "longest a request waits for a worker slot before 429 (and in the prefill queue)",
     "prefill_queue_tokens": "the engines' max_num_batched_tokens, to hold requests in the router while every "
-    "worker has a full step of prefill queued and route them as workers free, shortest prefill first "
+    "worker has a full step of prefill queued and route them as workers free, earliest arrival + predicted prefill first "
     "(0: off, the default; docs/reliability.md)",
     "shutdown_grace_s": "on SIGTERM, how long in-flight requests and streams may take to finish",
     "keep_alive_s": "idle client connections are kept this long (longer than clients keep theirs)",

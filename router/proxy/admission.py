@@ -450,8 +450,8 @@ class AdmissionSettings:
     retry_after_s: int = 1
     prefill_queue_tokens: int = 0
     """The engines' `max_num_batched_tokens`, to hold requests in the router while every
-    worker has a full step of prefill queued, routed as workers free, shortest prefill first
-    (router/proxy/prefill_queue.py; 0: off)."""
+    worker has a full step of prefill queued, routed as workers free, earliest arrival +
+    predicted prefill first (router/proxy/prefill_queue.py; 0: off)."""
 
     def admission(self, *, fair: bool = False) -> Admission:
         """Per-worker in-flight limits and the wait queue, or none (`max_inflight_per_worker` 0).
