@@ -14,7 +14,7 @@ import asyncio
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import openai
 import orjson
@@ -29,6 +29,8 @@ class AffinityResult:
     """Share of turns 2+ served by the worker that served the conversation's turn 1."""
     served: dict[str, int]
     reasons: dict[str, int]
+    later_cached: list[int] = field(default_factory=list)
+    """`usage.prompt_tokens_details.cached_tokens` of each turn 2+."""
 
     @property
     def max_over_mean(self) -> float:
@@ -56,6 +58,7 @@ async def run_conversations(
     served: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     sticky = [0, 0]
+    later_cached: list[int] = []
 
     async def conversation(c: int) -> None:
         messages = [{"role": "system", "content": system_for(c)}]
@@ -67,17 +70,20 @@ async def run_conversations(
             worker = raw.headers["x-kvroute-worker"]
             reasons[raw.headers["x-kvroute-route-reason"]] += 1
             served[worker] += 1
+            reply = raw.parse()
             if first is None:
                 first = worker
             else:
                 sticky[1] += 1
                 sticky[0] += worker == first
-            messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+                details = reply.usage.prompt_tokens_details if reply.usage else None
+                later_cached.append((details.cached_tokens or 0) if details else 0)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
 
     await asyncio.gather(*(conversation(c) for c in range(n_conv)))
     for client in clients:
         await client.close()
-    return AffinityResult(sticky[0] / max(sticky[1], 1), dict(served), dict(reasons))
+    return AffinityResult(sticky[0] / max(sticky[1], 1), dict(served), dict(reasons), sorted(later_cached))
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, system_for in (("own_system_prompts", own_system), ("shared_6000_char_system_prompt", shared_system)):
         with SimCluster(workers=args.workers, time_scale=0.02) as cluster, RouterProcess(cluster.worker_urls, policy=args.policy) as router:
             result = asyncio.run(run_conversations(router.url, system_for))
-        out[name] = {**asdict(result), "max_over_mean": round(result.max_over_mean, 3), "max_share": round(result.max_share, 3)}
+        summary = asdict(result) | {"later_cached": {"min": min(result.later_cached), "max": max(result.later_cached)}}
+        out[name] = summary | {"max_over_mean": round(result.max_over_mean, 3), "max_share": round(result.max_share, 3)}
     print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
     return 0
 

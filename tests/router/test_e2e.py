@@ -9,9 +9,10 @@ import httpx
 import openai
 import pytest
 
-from loadtests.affinity import own_system, run_conversations, shared_system
+from loadtests.affinity import SHARED_SYSTEM, own_system, run_conversations, shared_system
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from normalizer.tokens import CHARS_PER_TOKEN
 from router.workers import parse_vllm_gauges
 
 MODEL = "sim-llama3-8b"
@@ -35,8 +36,19 @@ def test_shared_system_prompt_does_not_pile_onto_one_worker(cluster) -> None:
     # worker's learned speed once there is one (a few percent either way on identical
     # workers), so a worker may end a turn or two past 40 of 80 (41 seen in CI): no pile.
     assert result.max_share <= 0.55, result
-    assert result.affinity >= 0.90, result
     assert result.reasons.get("gpu_hit", 0) >= 60, result
+    # No continuing turn prefills the shared prompt again: every one lands on a worker
+    # holding it (the simulator counts CHARS_PER_TOKEN bytes a token, in 16-token blocks).
+    assert min(result.later_cached) >= len(SHARED_SYSTEM) // CHARS_PER_TOKEN // 16 * 16, result
+    # Conversations stay while the router sees no queue. The 20 send their turns in
+    # lockstep, and on a CPU shared with other tests the requests overlap and queue in the
+    # router's view: the policy then moves a turn that gains more than an engine step
+    # elsewhere, recomputing only the conversation's own turns (above). Measured: 1.0
+    # unloaded and 0.90-1.0 beside 8 CPU hogs here; 0.77 once in CI; at the simulator's
+    # real speed, where the same bursts queue without contention, 0.85-1.0, and 0.60-0.90
+    # beside the hogs (docs/benchmark.md, "Lockstep bursts"). A policy that lost
+    # conversations would be near 1/3 (random).
+    assert result.affinity >= 0.6, result
 
 
 def _payloads(lines: list[str]) -> list[dict | str]:
