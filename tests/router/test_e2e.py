@@ -12,6 +12,7 @@ import pytest
 from loadtests.affinity import SHARED_SYSTEM, own_system, run_conversations, shared_system
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from loadtests.sim.engine import BLOCK_SIZE
 from normalizer.tokens import CHARS_PER_TOKEN
 from router.workers import parse_vllm_gauges
 
@@ -38,8 +39,8 @@ def test_shared_system_prompt_does_not_pile_onto_one_worker(cluster) -> None:
     assert result.max_share <= 0.55, result
     assert result.reasons.get("gpu_hit", 0) >= 60, result
     # No continuing turn prefills the shared prompt again: every one lands on a worker
-    # holding it (the simulator counts CHARS_PER_TOKEN bytes a token, in 16-token blocks).
-    assert min(result.later_cached) >= len(SHARED_SYSTEM) // CHARS_PER_TOKEN // 16 * 16, result
+    # holding it (the simulator counts CHARS_PER_TOKEN bytes a token, cached in blocks).
+    assert min(result.later_cached) >= len(SHARED_SYSTEM) // CHARS_PER_TOKEN // BLOCK_SIZE * BLOCK_SIZE, result
     # Conversations stay while the router sees no queue. The 20 send their turns in
     # lockstep, and on a CPU shared with other tests the requests overlap and queue in the
     # router's view: the policy then moves a turn that gains more than an engine step
