@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import openai
 import orjson
@@ -76,8 +77,7 @@ async def run_conversations(
             else:
                 sticky[1] += 1
                 sticky[0] += worker == first
-                details = reply.usage.prompt_tokens_details if reply.usage else None
-                later_cached.append((details.cached_tokens or 0) if details else 0)
+                later_cached.append(cached_tokens(reply))
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
 
     await asyncio.gather(*(conversation(c) for c in range(n_conv)))
@@ -104,13 +104,18 @@ async def run_agent(url: str, turns: int, agent: int = 0, model: str = MODEL) ->
             messages.append({"role": "user", "content": f"Agent {agent}, step {t}: " + "run the next check " * 25})
             raw = await client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=24)
             reply = raw.parse()
-            details = reply.usage.prompt_tokens_details if reply.usage else None
-            cached = (details.cached_tokens or 0) if details else 0
-            out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached))
+            out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached_tokens(reply)))
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     finally:
         await client.close()
     return out
+
+
+def cached_tokens(reply: Any) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of an openai SDK answer (chat or
+    completions), 0 where the engine reports none."""
+    details = reply.usage.prompt_tokens_details if reply.usage else None
+    return (details.cached_tokens or 0) if details else 0
 
 
 def own_system(c: int) -> str:

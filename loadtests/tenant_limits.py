@@ -149,7 +149,7 @@ def arrival_times(flow: Flow, duration_s: float, seed: int) -> Iterator[float]:
 
 
 async def open_loop(urls: Sequence[str], flows: Sequence[Flow], duration_s: float, seed: int,
-                  events: dict[float, Any] | None = None) -> float:
+                    events: dict[float, Any] | None = None) -> float:
     """Open-loop arrivals per flow for `duration_s` (`arrival_times`), each request to the
     next URL in turn; `events`: {second: callable} run once that second is reached. Returns t0."""
     client = make_client()

@@ -16,7 +16,7 @@ import pytest
 from cache_client.base import IndexView, key_tokens_of
 from cache_client.memory import MemoryIndex
 from cache_client.served_ends import ServedEnds
-from loadtests.affinity import MODEL, AgentTurn, own_system, run_agent
+from loadtests.affinity import MODEL, AgentTurn, cached_tokens, own_system, run_agent
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 from normalizer.prefix import PrefixChain
@@ -390,9 +390,7 @@ async def _grow_agent(
                 raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=message, max_tokens=24)
                 reply = raw.parse()
                 answer = reply.choices[0].message.content
-            details = reply.usage.prompt_tokens_details if reply.usage else None
-            cached = (details.cached_tokens or 0) if details else 0
-            out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached))
+            out.append(AgentTurn(raw.headers["x-kvroute-worker"], raw.headers["x-kvroute-route-reason"], cached_tokens(reply)))
             text += answer
             await asyncio.sleep(think_s)
     finally:
