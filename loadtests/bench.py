@@ -341,10 +341,14 @@ async def _measure(
     )
     summary = summarize(entry, outcome, delta, router_before, router_after)
     summary["queues"] = queues.summary()
+    measured_from_s = getattr(workload, "warmup_s", 0.0)
+    summary["kv_held_share"] = queues.kv_held_share(
+        measured_from_s * setup.time_scale, (measured_from_s + outcome.window_s) * setup.time_scale
+    )
     if costs is not None and costs.samples:
         summary["cost_learning"] = cost_learning.learning_summary(
             costs.samples, build_cost_model(setup.profile), setup.time_scale, setup.speeds, setup.speed_changes,
-            measured_from_s=getattr(workload, "warmup_s", 0.0),
+            measured_from_s=measured_from_s,
         )
         summary["cost_samples"] = costs.samples
     if not isinstance(workload, traces.Trace):
@@ -508,6 +512,7 @@ async def find_capacity(
             "unsettled": not meets_slo and bool(first and second and first > UNSETTLED_HALVES_RATIO * second),
             "bottleneck": summary["harness"]["bottleneck"]["flag"],
             "sim_clock_ratio": summary["harness"]["bottleneck"].get("sim_clock_ratio"),
+            "kv_held_share": summary.get("kv_held_share"),
             "client_minus_worker_ttft_mean_s": summary["client_minus_worker_ttft_mean_s"],
         }
         trials.append(trial)
@@ -634,18 +639,18 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         ]
     lines += [
         "| router | pool | TTFT mean | p50 | p99 | ITL mean | decode tok/s | sessions done | "
-        "predicted hit | worker hit | capacity/s | bottleneck |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "predicted hit | worker hit | KV held | capacity/s | bottleneck |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in routers.items():
         lines.append(
             f"| {key} | {_fmt(r['pool'])} | {_fmt(r['ttft_mean_s'])} | {_fmt(r['ttft_p50_s'])} | "
             f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['itl_mean_s'], 4)} | {_fmt(r['output_tok_per_s'], 1)} | "
             f"{r['sessions_completed']} | {_fmt(r['predicted_hit_ratio'])} | {_fmt(r['worker_hit_ratio'])} | "
-            f"{_fmt(r.get('capacity_sessions_per_s'))} | {_fmt(r['harness']['bottleneck']['flag'])} |"
+            f"{_fmt(r.get('kv_held_share'))} | {_fmt(r.get('capacity_sessions_per_s'))} | {_fmt(r['harness']['bottleneck']['flag'])} |"
         )
     for key, f in results.get("failed", {}).items():
-        lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 9)
+        lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 10)
     if trace_rows:
         lines += ["", "## Against the trace's ideal", "", *trace_rows]
     lines += cost_learning.markdown_lines(routers)

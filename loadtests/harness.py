@@ -690,7 +690,9 @@ async def drive(
 
 class QueueSampler:
     """Engine queue depths (`vllm:num_requests_waiting` / `_running`) of every worker,
-    scraped once a second during a run."""
+    scraped once a second during a run, with the engines' busy and KV-held seconds (the
+    simulator's `sim:busy_seconds_total`, `sim:kv_held_seconds_total`) at each scrape, so
+    that the share of a stretch of the run spent waiting for KV can be read afterwards."""
 
     def __init__(self, client: httpx.AsyncClient, urls: dict[str, str], interval_s: float = 1.0) -> None:
         self.client = client
@@ -698,6 +700,9 @@ class QueueSampler:
         self.interval_s = interval_s
         self.waiting: dict[str, list[float]] = {n: [] for n in urls}
         self.running: dict[str, list[float]] = {n: [] for n in urls}
+        self.engine_seconds: dict[str, list[tuple[float, float, float]]] = {n: [] for n in urls}
+        """Per worker: (wall seconds since start(), busy seconds, KV-held seconds) per scrape."""
+        self._started = 0.0
         self._task: asyncio.Task[None] | None = None
 
     async def _one(self, name: str, url: str) -> None:
@@ -707,6 +712,8 @@ class QueueSampler:
             return
         self.waiting[name].append(metric_sum(parsed, "vllm:num_requests_waiting"))
         self.running[name].append(metric_sum(parsed, "vllm:num_requests_running"))
+        busy, held = metric_sum(parsed, "sim:busy_seconds_total"), metric_sum(parsed, "sim:kv_held_seconds_total")
+        self.engine_seconds[name].append((time.monotonic() - self._started, busy, held))
 
     async def _run(self) -> None:
         while True:
@@ -714,7 +721,22 @@ class QueueSampler:
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
+        self._started = time.monotonic()
         self._task = asyncio.create_task(self._run())
+
+    def kv_held_share(self, from_wall_s: float, to_wall_s: float) -> float | None:
+        """The fleet's engine time between two moments (wall seconds since start()) during
+        which a waiting request waited for KV blocks, as a share of its busy time: near 1,
+        the engines are out of KV rather than compute. From the first and last scrape of
+        each worker inside the stretch; None if no worker was scraped twice in it or none
+        was busy."""
+        busy = held = 0.0
+        for samples in self.engine_seconds.values():
+            inside = [s for s in samples if from_wall_s <= s[0] <= to_wall_s]
+            if len(inside) >= 2:
+                busy += inside[-1][1] - inside[0][1]
+                held += inside[-1][2] - inside[0][2]
+        return held / busy if busy > 0 else None
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

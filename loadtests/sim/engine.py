@@ -201,6 +201,10 @@ class Step:
     prefill_tokens: int
     decode_tokens: int
     pool_tokens: int
+    kv_held: bool = False
+    """A request waited for KV blocks during this step: the oldest waiting one did not fit
+    in the free blocks though the step had token budget and a sequence slot for it, or the
+    step preempted a running one (which waits to be readmitted)."""
 
 
 @dataclass(slots=True)
@@ -238,6 +242,9 @@ class Counters:
     aborted: int = 0
     steps: int = 0
     busy_s: float = 0.0
+    kv_held_s: float = 0.0
+    """Seconds of steps during which admission was held for KV blocks (`Step.kv_held`): an
+    engine out of KV, not of compute, whose waiting requests wait for running ones to end."""
 
 
 class BlockPool:
@@ -481,11 +488,13 @@ class Engine:
             i += 1
         # Like vLLM, a step that had to preempt admits nobody new, unless it has nothing else
         # to do (everyone was preempted), or the engine would idle with work waiting.
+        kv_held = preempted
         if not preempted or not items:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 admitted = self._admit(seq, budget)
                 if admitted is None:
+                    kv_held = True
                     break  # head-of-line: the oldest waiting request does not fit yet
                 loaded, want = admitted
                 self.waiting.popleft()
@@ -504,6 +513,7 @@ class Engine:
             prefill_tokens=sum(e - s for s, e in prefill_chunks),
             decode_tokens=len(decode_contexts),
             pool_tokens=pool_tokens,
+            kv_held=kv_held,
         )
         self.in_step = step
         return step
@@ -544,6 +554,8 @@ class Engine:
         c = self.counters
         c.steps += 1
         c.busy_s += step.duration
+        if step.kv_held:
+            c.kv_held_s += step.duration
         out: list[TokenOut] = []
         for item in step.items:
             seq = item.seq

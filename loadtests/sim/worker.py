@@ -595,6 +595,7 @@ class SimWorker:
             "preemptions": c.preemptions,
             "steps": c.steps,
             "busy_s": c.busy_s,
+            "kv_held_s": c.kv_held_s,
             "fault": {"mode": self.fault.mode, "slow_factor": self.fault.slow_factor},
             "pool": self.config.pool_url,
             "pool_errors": self.pool.errors if self.pool else 0,
@@ -639,6 +640,10 @@ class SimWorker:
         x.metric("sim:client_aborts_total", "counter", "Requests aborted because the client left.", r.client_aborts, labels)
         x.metric("sim:computed_prompt_tokens_total", "counter", "Prompt tokens actually prefilled.", c.computed_prompt_tokens, labels)
         x.metric("sim:busy_seconds_total", "counter", "Simulated seconds spent in engine steps.", c.busy_s, labels)
+        x.metric(
+            "sim:kv_held_seconds_total", "counter",
+            "Simulated seconds of engine steps during which a waiting request waited for KV blocks.", c.kv_held_s, labels,
+        )  # fmt: skip
         x.metric("sim:simulated_seconds", "gauge", "Simulated clock.", r.sim_now(), labels)
         return x.render()
 

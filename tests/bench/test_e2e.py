@@ -25,6 +25,7 @@ ROUTER_FIELDS = (
     "sessions_completed",
     "predicted_hit_ratio",
     "worker_hit_ratio",
+    "kv_held_share",
 )
 
 
@@ -67,6 +68,7 @@ def test_results_json_schema(run) -> None:
         assert r["requests_failed"] == 0
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"]
         assert r["ttft_mean_s"] > 0 and r["itl_mean_s"] > 0
+        assert 0.0 <= r["kv_held_share"] <= 1.0  # the window's engine time held for KV blocks
         assert r["output_tok_per_s"] == pytest.approx(1 / r["itl_mean_s"])
         h = r["harness"]
         assert set(h["bottleneck"]) >= {"flag", "reasons", "lag_threshold_s", "rule"}

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import cast
 
+import httpx
 import pytest
 
 from loadtests.bench import (
@@ -20,6 +22,7 @@ from loadtests.bench import (
     summarize,
 )
 from loadtests.harness import (
+    QueueSampler,
     RequestRecord,
     RunOutcome,
     bottleneck_verdict,
@@ -101,6 +104,19 @@ def test_worker_hit_ratio_counts_gpu_and_pool_hits_over_the_run() -> None:
     assert "waiting" not in delta
     assert worker_hit_ratio(delta) == pytest.approx((600 + 200) / 1000)
     assert worker_hit_ratio({}) is None
+
+
+def test_kv_held_share_reads_each_worker_between_its_first_and_last_scrape_in_the_stretch() -> None:
+    sampler = QueueSampler(cast(httpx.AsyncClient, None), {"w0": "", "w1": ""})
+    sampler.engine_seconds = {  # (wall s since start, busy s, KV-held s) per scrape
+        "w0": [(0.0, 0.0, 0.0), (10.0, 9.0, 0.0), (20.0, 19.0, 9.0), (30.0, 29.0, 19.0)],
+        "w1": [(0.5, 0.0, 0.0), (10.5, 10.0, 1.0), (20.5, 20.0, 3.0)],
+    }
+    # From 5 to 25 s: w0 from its 10 s scrape to its 20 s one, w1 from 10.5 to 20.5.
+    assert sampler.kv_held_share(5.0, 25.0) == pytest.approx((9.0 + 2.0) / (10.0 + 10.0))
+    # A worker scraped once in the stretch adds nothing; none scraped twice: nothing to say.
+    assert sampler.kv_held_share(15.0, 35.0) == pytest.approx(1.0)
+    assert sampler.kv_held_share(40.0, 50.0) is None
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -173,6 +173,39 @@ def test_running_requests_pin_their_blocks() -> None:
     assert blocked.state is State.FINISHED and long_runner.state is State.FINISHED
 
 
+def test_steps_that_hold_a_request_for_kv_are_told_from_steps_out_of_budget() -> None:
+    # Out of budget: a second prompt waits behind a first that takes the whole step.
+    engine = Engine(COST, capacity_tokens=500_000, max_num_batched_tokens=1024)
+    engine.add(seq(text(2000, "first")))
+    engine.add(seq(text(100, "second")))
+    step = engine.schedule()
+    assert step is not None and len(engine.waiting) == 1 and not step.kv_held
+    engine.complete(step, step.duration)
+    assert engine.counters.kv_held_s == 0.0
+    # Out of KV: a request needing 20 blocks waits while a running one holds 31 of 40 and
+    # decodes; every such step counts, and none once it could be admitted.
+    engine = Engine(COST, capacity_tokens=40 * BLOCK_SIZE)
+    engine.add(seq(text(30 * BLOCK_SIZE, "pinned"), max_tokens=50))
+    step = engine.schedule()
+    assert step is not None and not step.kv_held
+    clock = step.duration
+    engine.complete(step, clock)
+    blocked = seq(text(20 * BLOCK_SIZE, "blocked"), max_tokens=5)
+    engine.add(blocked)
+    held = 0.0
+    while blocked.state is State.WAITING:
+        step = engine.schedule()
+        assert step is not None
+        # Held until the step that admits it, once the running request has ended.
+        assert step.kv_held == (blocked.state is State.WAITING)
+        held += step.duration if step.kv_held else 0.0
+        clock += step.duration
+        engine.complete(step, clock)
+    assert engine.counters.kv_held_s == pytest.approx(held)
+    run(engine, clock)
+    assert engine.counters.kv_held_s == pytest.approx(held) and 0 < held < engine.counters.busy_s
+
+
 def test_step_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
     engine = Engine(COST, capacity_tokens=500_000, max_num_batched_tokens=1024)
     decoders = [seq(text(100, f"d{i}"), max_tokens=20) for i in range(4)]
@@ -320,6 +353,7 @@ def test_decodes_that_outgrow_memory_preempt_the_newest_request() -> None:
     _, outs = run(engine)
     assert engine.counters.preemptions >= 1
     assert new.preemptions >= 1 and old.preemptions == 0
+    assert engine.counters.kv_held_s > 0  # the preempted request waited for blocks
     assert {o.seq.id for o in outs if o.finished} == {old.id, new.id}
     # Each token is produced once; the preempted request recomputed what it had lost.
     for s in (old, new):
