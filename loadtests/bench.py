@@ -107,9 +107,9 @@ class Entry:
     cost: str | None = None
     """kvroute's cost model: None (as configured for the profile), or a variant of
     `loadtests.cost_learning.COST_VARIANTS` (`cache_aware@learned`)."""
-    prefill_queue: bool = False
-    """kvroute with the prefill queue (`cache_aware+queue`): `--prefill-queue-tokens` set to
-    the simulated engines' step budget."""
+    prefill_queue: int = 0
+    """kvroute with the prefill queue: `--prefill-queue-tokens` set to this (0: off);
+    `cache_aware+queue` sets the simulated engines' step budget, `cache_aware+queueN` N."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -120,8 +120,12 @@ def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
     return item, None
 
 
-def _split_queue_suffix(item: str) -> tuple[str, bool]:
-    return (item[: -len("+queue")], True) if item.endswith("+queue") else (item, False)
+def _split_queue_suffix(item: str) -> tuple[str, int]:
+    """`NAME+queue` (the engines' step budget) or `NAME+queueN` (N tokens) → (NAME, tokens)."""
+    base, sep, tokens = item.rpartition("+queue")
+    if not sep or (tokens and not tokens.isdigit()):
+        return item, 0
+    return base, int(tokens) if tokens else traces.ENGINE_TOKEN_BUDGET
 
 
 def parse_entries(policies: str, peers: str) -> list[Entry]:
@@ -215,7 +219,7 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
     if entry.policy == "random" and entry.kind != "peer" and setup.seed is not None:
         args += ["--random-seed", str(setup.seed)]
     if entry.prefill_queue:
-        args += ["--prefill-queue-tokens", str(traces.ENGINE_TOKEN_BUDGET)]
+        args += ["--prefill-queue-tokens", str(entry.prefill_queue)]
     if entry.cost is not None:
         return args + cost_learning.cost_args(entry.cost, build_cost_model(setup.profile), setup.time_scale)
     if setup.profile != DEFAULT_PROFILE:
@@ -701,7 +705,7 @@ def _plots(out: Path, results: dict[str, Any], records: dict[str, list[harness.R
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="seed")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool, NAME+queue (with the prefill queue)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool, NAME+queue (with the prefill queue; NAME+queueN: its mark at N tokens)")
     p.add_argument("--peers", default="", help=f"peer routers: {', '.join(PEERS)} (or vllm-router/consistent_hash)")
     p.add_argument("--find-capacity", action="store_true", help="bisect each router's capacity at the SLO")
     p.add_argument("--slo-p99-ttft", type=float, default=2.0, help="p99 TTFT SLO in simulated seconds (capacity)")

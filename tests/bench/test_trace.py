@@ -223,6 +223,12 @@ def test_a_small_trace_replays_through_every_router(tmp_path: Path, api: str) ->
     assert trace["ideal_ttft_floor"]["mean_s"] > 0
     queued = trace["queued_floor"]
     assert queued["workers"] == 2 and queued["fcfs"]["mean_s"] >= trace["ideal_ttft_floor"]["mean_s"] * (1 - 1e-9)
+    for key, pool in (("pool", True), ("no_pool", False)):
+        replay = trace["late_binding_replay"][key]
+        assert replay["requests"] == 36 and replay["pool"] is pool
+        assert replay["mean_over_floor"] == pytest.approx(replay["mean_s"] / trace["ideal_ttft_floor"]["mean_s"])
+        assert replay["mean_over_floor"] >= 1 - 1e-9 and replay["worker_hit_ratio"] > 0.5
+    assert "late-binding scheduler" in (out / "results.md").read_text()
     routers = results["routers"]
     for key in ("random", "cache_aware"):
         r = routers[key]

@@ -34,6 +34,7 @@ from loadtests.harness import (
     worker_hit_ratio,
 )
 from loadtests.sim.costs import DEFAULT_PROFILE
+from loadtests.traces import ENGINE_TOKEN_BUDGET
 
 
 def test_cache_blind_policies_run_without_the_pool_unless_told() -> None:
@@ -54,6 +55,14 @@ def test_a_queue_suffix_runs_kvroute_with_the_prefill_queue() -> None:
     setup = RunSetup(workers=2, profile=DEFAULT_PROFILE, time_scale=1.0, kv_capacity_tokens=1000,
                      pool_capacity_tokens=0, logs=Path("."))  # fmt: skip
     assert [("--prefill-queue-tokens" in _kvroute_args(setup, e)) for e in entries.values()] == [False, True, True]
+    assert queued.prefill_queue == ENGINE_TOKEN_BUDGET
+    # `+queueN`: the mark in tokens, for sweeps.
+    (marked,) = parse_entries("cache_aware+queue2048", "")
+    assert marked.key == "cache_aware+queue2048" and marked.policy == "cache_aware" and marked.prefill_queue == 2048
+    args = _kvroute_args(setup, marked)
+    assert args[args.index("--prefill-queue-tokens") + 1] == "2048"
+    with pytest.raises(ValueError):
+        parse_entries("cache_aware+queuefast", "")
 
 
 def test_peers_expand_to_their_policies() -> None:
