@@ -33,7 +33,7 @@ from typing import Any
 
 from loadtests.harness import percentile
 from loadtests.sim.costs import CostModel
-from loadtests.sim.engine import BLOCK_SIZE, BlockHasher, Engine, Seq, State, Step
+from loadtests.sim.engine import BLOCK_SIZE, BlockHasher, Engine, Seq, Step
 from loadtests.sim.pool import CHUNK_TOKENS, ChunkStore, chunk_keys
 from loadtests.sim.worker import DEFAULT_MODEL
 from normalizer.tokens import CHARS_PER_TOKEN
@@ -72,12 +72,7 @@ class _Fleet:
         """Leading prompt tokens the pool holds now (without touching its LRU)."""
         if self.pool is None:
             return 0
-        n = 0
-        for key in req.chunk_keys:
-            if key not in self.pool.lru:
-                break
-            n += 1
-        return min(n * CHUNK_TOKENS, req.seq.prompt_len - 1)
+        return min(self.pool.held(req.chunk_keys) * CHUNK_TOKENS, req.seq.prompt_len - 1)
 
     def prefill_s(self, engine: Engine, req: _Request) -> float:
         """The request's prefill on `engine` now: its cached blocks there or the pool's run."""
@@ -119,14 +114,15 @@ class _Fleet:
         engine = self.engines[i]
         others = [e for e in self.engines if e is not engine]
         left = {id(e): self.left_s(e) for e in self.engines}
+        head = heapq.nsmallest(LOOKAHEAD, self.queue)
         options = []
-        for entry in heapq.nsmallest(LOOKAHEAD, self.queue):
+        for entry in head:
             req = requests[entry[1]]
             here = left[id(engine)] + self.prefill_s(engine, req)
             if all(here <= left[id(o)] + self.prefill_s(o, req) + 1e-9 for o in others):
                 options.append((entry[0] + here, entry))
         if not options and self.step_end[i] is None and not engine.has_work():
-            options = [(entry[0] + self.prefill_s(engine, requests[entry[1]]), entry) for entry in heapq.nsmallest(LOOKAHEAD, self.queue)]
+            options = [(entry[0] + self.prefill_s(engine, requests[entry[1]]), entry) for entry in head]
         return min(options)[1] if options else None
 
     def start(self, i: int, now: float) -> None:
@@ -143,15 +139,8 @@ class _Fleet:
         engine.complete(step, now)
         self.step_end[i] = None
         if self.pool is not None:
-            self._store(engine, step)
-
-    def _store(self, engine: Engine, step: Step) -> None:
-        assert self.pool is not None
-        for item in step.items:
-            if item.seq.state is not State.ABORTED:
-                first, end = engine.pool_chunks_to_store(item.seq)
-                if end > first:
-                    self.pool.store(item.seq.pool_keys[first:end])
+            for seq, first, end in engine.pool_stores(step):
+                self.pool.store(seq.pool_keys[first:end])
 
 
 def late_binding_replay(

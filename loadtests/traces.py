@@ -417,7 +417,7 @@ def replay_references(
     """The window replayed offline by a late-binding scheduler that sees every engine's
     state (`loadtests.trace_replay`), with the pool and without: how close to the floor
     this fleet lets routing get, decodes, KV and batching included."""
-    prompts = [(r.sent_s, prompt_text(r.hash_ids, r.input_length).encode(), r.output_length) for r in trace.requests]
+    prompts = replay_prompts(trace.requests)
     floor = sum(floors) / len(floors) if floors else None
     out: dict[str, Any] = {}
     for key, pool in (("pool", pool_capacity_tokens), ("no_pool", 0)):
@@ -426,6 +426,11 @@ def replay_references(
         replay["mean_over_floor"] = mean / floor if mean is not None and floor else None
         out[key] = replay
     return out
+
+
+def replay_prompts(requests: Sequence[TraceRequest]) -> list[tuple[float, bytes, int]]:
+    """The window as `late_binding_replay` takes it: (sent seconds, prompt bytes, output tokens)."""
+    return [(r.sent_s, prompt_text(r.hash_ids, r.input_length).encode(), r.output_length) for r in requests]
 
 
 def trace_comparison(routers: dict[str, dict[str, Any]], bounds: dict[str, Any]) -> dict[str, Any]:

@@ -585,6 +585,17 @@ class Engine:
                 c.finished += 1
         return out
 
+    def pool_stores(self, step: Step) -> list[tuple[Seq, int, int]]:
+        """After `complete(step)`: (request, first, end) of the full prompt chunks each of
+        the step's live requests has newly computed, to store in the pool."""
+        out = []
+        for item in step.items:
+            if item.seq.state is not State.ABORTED:
+                first, end = self.pool_chunks_to_store(item.seq)
+                if end > first:
+                    out.append((item.seq, first, end))
+        return out
+
     def pool_chunks_to_store(self, seq: Seq) -> tuple[int, int]:
         """(first, end) indices of newly computed full prompt chunks to store in the pool."""
         done = min(seq.num_computed, seq.prompt_len) // self.pool_chunk_tokens

@@ -56,15 +56,20 @@ class ChunkStore:
         self.stores = 0
         self.evictions = 0
 
-    def lookup(self, keys: Sequence[int]) -> int:
-        """Leading keys present; they become most recently used (the worker loads them)."""
-        self.lookups += 1
-        self.lookup_chunks += len(keys)
+    def held(self, keys: Sequence[int]) -> int:
+        """Leading keys present, without touching the LRU or the counters (a peek)."""
         n = 0
         for key in keys:
             if key not in self.lru:
                 break
             n += 1
+        return n
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        """Leading keys present; they become most recently used (the worker loads them)."""
+        self.lookups += 1
+        self.lookup_chunks += len(keys)
+        n = self.held(keys)
         # Touch the run tail first so that the head (shared by more prompts) is newest.
         for key in reversed(keys[:n]):
             self.lru.move_to_end(key)

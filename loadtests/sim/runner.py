@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loadtests.sim.engine import Engine, KVEvent, Scheduled, Seq, State, TokenOut
+from loadtests.sim.engine import Engine, KVEvent, Seq, Step, TokenOut
 from loadtests.sim.metrics import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
 
 MAX_LAG_S = 0.05
@@ -162,7 +162,7 @@ class Runner:
             self._step_end_sim = None
             outs = self.engine.complete(step, self._anchor_sim)
             self._dispatch(outs)
-            self._after_step(step.items)
+            self._after_step(step)
 
     async def _wait_for_work(self) -> None:
         self._idle = True
@@ -188,15 +188,10 @@ class Runner:
                 self.e2e.observe(self._anchor_sim - seq.arrival)
             handle._notify()
 
-    def _after_step(self, items: list[Scheduled]) -> None:
+    def _after_step(self, step: Step) -> None:
         if self.on_pool_store is not None:
-            for item in items:
-                seq = item.seq
-                if seq.state is State.ABORTED:
-                    continue
-                first, end = self.engine.pool_chunks_to_store(seq)
-                if end > first:
-                    self.on_pool_store(seq, first, end)
+            for seq, first, end in self.engine.pool_stores(step):
+                self.on_pool_store(seq, first, end)
         self.flush_events()
 
     def flush_events(self) -> None:

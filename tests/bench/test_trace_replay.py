@@ -7,19 +7,15 @@ import pytest
 
 from loadtests.sim.costs import build_cost_model
 from loadtests.trace_replay import late_binding_replay
-from loadtests.traces import TraceRequest, _floors, ideal_ttft_s, prompt_text
+from loadtests.traces import TraceRequest, _floors, ideal_ttft_s, replay_prompts
 
 COST = build_cost_model()
 BUDGET = 8192
 KV = COST.default_capacity_tokens
 
 
-def _prompts(requests: list[TraceRequest]) -> list[tuple[float, bytes, int]]:
-    return [(r.sent_s, prompt_text(r.hash_ids, r.input_length).encode(), r.output_length) for r in requests]
-
-
 def _replay(requests: list[TraceRequest], workers: int = 2, pool: int = 0, kv: int = KV) -> dict:
-    return late_binding_replay(_prompts(requests), COST, workers, kv, pool, BUDGET)
+    return late_binding_replay(replay_prompts(requests), COST, workers, kv, pool, BUDGET)
 
 
 def test_requests_that_never_overlap_reach_the_trace_floor() -> None:
