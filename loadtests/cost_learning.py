@@ -246,9 +246,15 @@ def ideal_floor(workload: Workload, records: Sequence[RequestRecord], cost: Cost
     return {"requests": len(floors), "mean_s": sum(floors) / len(floors) if floors else None, "p99_s": percentile(floors, 99)}
 
 
+UNCALIBRATED = ("exact", "static")
+"""The cost variants with learning off that a learned router is compared against."""
+
+
 def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Every router's mean TTFT over the ideal floor, and each cost variant's TTFT against
-    `@exact` of the same policy."""
+    """Every router's mean TTFT over the ideal floor, and each learning variant's TTFT
+    against `@exact` and `@static` of the same policy, with the least p99 ratio any router
+    could show against them (`..._p99_floor_bound`: its floors' p99 over theirs, since no
+    request is faster than its own floor)."""
     out: dict[str, Any] = {}
     for key, r in routers.items():
         for stat in ("ttft_mean_over_ideal_floor", "ttft_p99_over_ideal_floor"):
@@ -256,12 +262,17 @@ def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 out[f"{key}_{stat}"] = r[stat]
     for key, r in routers.items():
         policy, variant = split_variant(key.split("+")[0].split("-nopool")[0])
-        exact = routers.get(f"{policy}@exact")
-        if variant in (None, "exact") or exact is None:
+        if variant is None or variant in UNCALIBRATED:
             continue
-        for stat in ("ttft_mean_s", "ttft_p99_s"):
-            if r.get(stat) and exact.get(stat):
-                out[f"{key}_over_exact_{stat.removeprefix('ttft_').removesuffix('_s')}"] = r[stat] / exact[stat]
+        for ref_variant in UNCALIBRATED:
+            ref = routers.get(f"{policy}@{ref_variant}")
+            if ref is None:
+                continue
+            for stat in ("ttft_mean_s", "ttft_p99_s"):
+                if r.get(stat) and ref.get(stat):
+                    out[f"{key}_over_{ref_variant}_{stat.removeprefix('ttft_').removesuffix('_s')}"] = r[stat] / ref[stat]
+            if r.get("ideal_floor_p99_s") and ref.get("ttft_p99_s"):
+                out[f"{key}_over_{ref_variant}_p99_floor_bound"] = r["ideal_floor_p99_s"] / ref["ttft_p99_s"]
     return out
 
 
@@ -285,4 +296,13 @@ def markdown_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
         if parts:
             text += "; learned ÷ simulated prefill cost per token at 4k/16k: " + ", ".join(parts)
         lines.append(text)
+    compared = comparison(routers)
+    for key in routers:
+        for ref in UNCALIBRATED:
+            mean, p99, bound = (compared.get(f"{key}_over_{ref}_{stat}") for stat in ("mean", "p99", "p99_floor_bound"))
+            if mean is not None and p99 is not None and bound is not None:
+                lines.append(
+                    f"- {key} ÷ @{ref}: TTFT mean {mean:.2f}, p99 {p99:.2f} "
+                    f"(no router's p99 below {bound:.2f}: its floors' p99 over @{ref}'s)"
+                )
     return lines

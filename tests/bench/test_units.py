@@ -343,6 +343,30 @@ def test_the_ideal_floor_bounds_the_mean_and_the_p99_from_below() -> None:
     assert floor["mean_s"] < floor["p99_s"] <= max(floors)
 
 
+def test_a_learned_router_is_compared_with_both_uncalibrated_ones_and_their_floor_bound() -> None:
+    from loadtests.cost_learning import comparison as cost_comparison
+    from loadtests.cost_learning import markdown_lines
+
+    def r(mean: float, p99: float, floor_p99: float) -> dict:
+        return {"kind": "kvroute", "ttft_mean_s": mean, "ttft_p99_s": p99, "ideal_floor_p99_s": floor_p99}
+
+    routers = {
+        "cache_aware@learned": r(0.07, 0.36, 0.33),
+        "cache_aware@exact": r(0.08, 0.48, 0.33),
+        "cache_aware@static": r(0.08, 0.44, 0.32),
+    }
+    c = cost_comparison(routers)
+    assert c["cache_aware@learned_over_exact_p99"] == pytest.approx(0.75)
+    assert c["cache_aware@learned_over_static_mean"] == pytest.approx(0.875)
+    # No request beats its floor, so against @static no router's p99 ratio is below 0.33 / 0.44.
+    assert c["cache_aware@learned_over_static_p99_floor_bound"] == pytest.approx(0.75)
+    assert c["cache_aware@learned_over_exact_p99_floor_bound"] == pytest.approx(0.6875)
+    # The references are not compared with each other.
+    assert not [k for k in c if k.startswith(("cache_aware@exact_over", "cache_aware@static_over"))]
+    lines = markdown_lines(routers)
+    assert "- cache_aware@learned ÷ @static: TTFT mean 0.88, p99 0.82 (no router's p99 below 0.75: its floors' p99 over @static's)" in lines
+
+
 def _probe_summary(p99: float, flagged: bool = False, halves: tuple[float, float] = (0.1, 0.1)) -> dict:
     """What `run_entry` returns of a run, as far as the capacity search reads it."""
     return {"ttft_p99_s": p99, "ttft_mean_s": 0.1, "requests_failed": 0,
