@@ -50,7 +50,7 @@ LOOKAHEAD = 8
 @dataclass(eq=False)
 class _Request:
     seq: Seq
-    sent_s: float
+    """Its `arrival` is the request's trace time."""
     chunk_keys: list[int]
 
 
@@ -160,7 +160,6 @@ def late_binding_replay(
     requests = [
         _Request(
             Seq(id=str(i), prompt_len=len(data) // CHARS_PER_TOKEN, max_tokens=max(out, 1), block_hashes=hasher.hashes(data), arrival=sent),
-            sent,
             chunk_keys(data, DEFAULT_MODEL) if pool_capacity_tokens > 0 else [],
         )
         for i, (sent, data, out) in enumerate(prompts)
@@ -178,7 +177,7 @@ def _run(fleet: _Fleet, requests: Sequence[_Request]) -> None:
     """The event loop on the simulated clock: arrivals and step ends, in time order."""
     n, i = len(requests), 0
     while True:
-        arrival = requests[i].sent_s if i < n else float("inf")
+        arrival = requests[i].seq.arrival if i < n else float("inf")
         ends = [(t, k) for k, t in enumerate(fleet.step_end) if t is not None]
         end, k = min(ends) if ends else (float("inf"), -1)
         if arrival == end == float("inf"):
@@ -197,7 +196,7 @@ def _run(fleet: _Fleet, requests: Sequence[_Request]) -> None:
 def _arrive(fleet: _Fleet, requests: Sequence[_Request], i: int, now: float) -> None:
     req = requests[i]
     best_s = min(fleet.prefill_s(e, req) for e in fleet.engines)
-    heapq.heappush(fleet.queue, (req.sent_s + best_s, i))
+    heapq.heappush(fleet.queue, (req.seq.arrival + best_s, i))
     for k, end in enumerate(fleet.step_end):
         if end is None:
             fleet.take(k, requests)
@@ -205,7 +204,7 @@ def _arrive(fleet: _Fleet, requests: Sequence[_Request], i: int, now: float) -> 
 
 
 def _summary(fleet: _Fleet, requests: Sequence[_Request], mark_tokens: int) -> dict[str, Any]:
-    ttfts = [r.seq.first_token_at - r.sent_s for r in requests if r.seq.first_token_at is not None]
+    ttfts = [r.seq.first_token_at - r.seq.arrival for r in requests if r.seq.first_token_at is not None]
     prompt = sum(r.seq.prompt_len for r in requests)
     cached = sum(r.seq.gpu_hit_tokens + r.seq.pool_loaded_tokens for r in requests)
     busy = sum(e.counters.busy_s for e in fleet.engines)
