@@ -20,6 +20,9 @@ per observation, no window to keep) with
   of |residual|: a request that queued behind work the router did not see (another
   router's, an engine hiccup) weighs little, while a lasting change raises the scale and
   is let in;
+* answers dated by their first byte: they are fitted as they end, and one whose first byte
+  came before a detected change of regime is left out (it describes the past, which the
+  change already rescaled);
 * queueing kept out at the observation site (`Calibrator.observe`): only requests that
   found at most a small predicted queue are fitted, with that queue subtracted; the
   queued ones still check the prior's scale while a worker has no fit of its own, and
@@ -72,6 +75,10 @@ class Observation:
     """Of the reused tokens, those copied from the shared pool."""
     inflight: int = 0
     """Requests running on the worker when this one was sent."""
+    at: float = 0.0
+    """When its first byte came (any monotonic clock, one per estimator): what a change of
+    regime is dated by. Observations are fitted as their answers end, and a long answer
+    ends long after its first byte."""
 
     def features(self) -> tuple[float, ...]:
         n = max(self.end - self.start, 0)
@@ -170,6 +177,11 @@ class Stats:
         return total
 
 
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None if singular."""
     n = len(b)
@@ -206,9 +218,16 @@ class Estimator:
         self.residual_scale = 1.0
         """Running mean |relative residual| (the Huber scale); starts wide open."""
         self._phi = list(self._phi0)
-        self._recent: deque[float] = deque(maxlen=self.settings.shift_window)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=self.settings.shift_window)
+        """The latest residuals, each with its observation's first byte."""
         self.shifts = 0
         """Changes of regime detected (the worker slowed down or sped up)."""
+        self._latest_at = 0.0
+        """The latest first byte fitted."""
+        self._regime_from = 0.0
+        """The latest first byte fitted when the last change of regime was detected."""
+        self.stale = 0
+        """Observations dropped as older than the last change of regime."""
         self.others: list[Stats] = []
         """Other replicas' statistics for this worker, as last synced (added at each fit)."""
         self.model = prior
@@ -218,6 +237,13 @@ class Estimator:
         return sum(p * s * x for p, s, x in zip(self._phi, self._scale, obs.features(), strict=True))
 
     def add(self, obs: Observation) -> None:
+        if obs.at < self._regime_from:
+            # Measured in the regime just left, though its answer ended after the change was
+            # detected (a long decode): the past it belongs to is already rescaled, and fitted
+            # now it would pull the new regime's fit back by the whole change.
+            self.stale += 1
+            return
+        self._latest_at = max(self._latest_at, obs.at)
         x = obs.features()
         xs = [v * s for v, s in zip(x, self._scale, strict=True)]
         # Fixed coefficients (explicit flags) move to the left side.
@@ -227,7 +253,7 @@ class Estimator:
         k = self.settings.huber_k * self.residual_scale
         huber = 1.0 if abs(r) <= k else k / abs(r)
         self.residual_scale = max(0.97 * self.residual_scale + 0.03 * min(abs(r), 10.0), 0.02)
-        self._detect_shift(r)
+        self._detect_shift(obs.at, r)
         # Relative errors: weighted by the observation itself, not by the prediction, which
         # changes as the fit moves (early rows would then weigh more than later ones).
         seen = max(obs.seconds, 1e-4)
@@ -237,26 +263,31 @@ class Estimator:
         if self.learned and self.observations % s.refit_every == 0:
             self.refit()
 
-    def _detect_shift(self, r: float) -> None:
+    def _detect_shift(self, at: float, r: float) -> None:
         """Huber weights resist a lasting change as much as outliers: when the recent
         residuals are all off in one direction, rescale the past by the change's factor (a
         throttled GPU or a noisy neighbour slows every coefficient alike) and discount it,
         so what differs from a uniform change is learnt from the new rows."""
         recent = self._recent
-        recent.append(r)
+        recent.append((at, r))
         if len(recent) < recent.maxlen or self.observations < self.settings.min_observations:  # type: ignore[operator]
             return
-        median = sorted(recent)[len(recent) // 2]
-        if abs(median) > self.settings.shift_threshold:
+        if abs(_median(r for _, r in recent)) > self.settings.shift_threshold:
             s = self.settings
             if self.observations >= s.settled:
-                self.stats.rescale(min(max(1.0 + median, 1.0 / s.shift_max_factor), s.shift_max_factor))
+                # The change's factor from the later half by first byte: the window is detected
+                # once just over half of it is off, and the rows before the change, some ending
+                # late among the ones after it, would pull the median back towards 1.
+                later = sorted(recent, key=lambda row: row[0])[len(recent) // 2 :]
+                factor = 1.0 + _median(r for _, r in later)
+                self.stats.rescale(min(max(factor, 1.0 / s.shift_max_factor), s.shift_max_factor))
                 self.stats.discount(s.shift_rescaled_keep)
             else:
                 self.stats.discount(s.shift_keep)
             self.residual_scale = 1.0
             recent.clear()
             self.shifts += 1
+            self._regime_from = self._latest_at
             if self.learned:
                 self.refit()  # the rescaled past prices the next request, not the old fit
 
@@ -383,9 +414,12 @@ class Calibrator:
             e = self.estimators[worker] = Estimator(self.prior, self.fixed, self.settings)
         return e
 
-    def observe(self, d: Dispatch, first_byte_s: float, cached_tokens: int | None) -> Observation | None:
+    def observe(
+        self, d: Dispatch, first_byte_s: float, cached_tokens: int | None, sent_at: float = 0.0,
+    ) -> Observation | None:
         """Learn from one answered request (`cached_tokens`: as the engine reported them,
-        in the router's token units; None: not reported). Returns what was fitted, if any."""
+        in the router's token units; None: not reported; `sent_at`: when it was dispatched,
+        on the clock the other observations' are). Returns what was fitted, if any."""
         if d.engine_waiting > 0 or d.queued_s > self.queue_fraction * max(d.predicted_prefill_s, self.prior.step_s):
             self.skipped_queued += 1
             self._check_prior(d, first_byte_s)
@@ -394,7 +428,9 @@ class Calibrator:
         seconds = first_byte_s - d.queued_s
         if seconds <= 0 or d.total_tokens <= 0:
             return None
-        obs = Observation(start, d.total_tokens, seconds, max(start - d.gpu_tokens, 0), d.inflight)
+        obs = Observation(
+            start, d.total_tokens, seconds, max(start - d.gpu_tokens, 0), d.inflight, sent_at + first_byte_s,
+        )
         e = self.estimator(d.worker)
         e.add(obs)
         if e.learned:

@@ -299,12 +299,12 @@ class Proxy:
         prior = choice.decision.cached_tokens if previous_id(ex.body) is not None else 0
         return self.affinity.learner(ex.body, worker, choice.chain.total_tokens, prior)
 
-    def learn_cost(self, ex: Exchange, worker: str, first_byte_s: float, tail: bytes) -> None:
-        """A stream answered on `worker`, its first token `first_byte_s` after dispatch (the
-        first byte; a Responses stream's first output item, `relay_stream`), its usage in
-        `tail`: record the prediction error and feed the worker's cost model. Every API's
-        streams teach it (`_cached_tokens` reads each one's usage); requests of no kind
-        (embeddings, rerank) have no prefill to learn from."""
+    def learn_cost(self, ex: Exchange, worker: str, sent_at: float, first_byte_s: float, tail: bytes) -> None:
+        """A stream sent to `worker` at `sent_at` (the loop's clock), its first token
+        `first_byte_s` after (the first byte; a Responses stream's first output item,
+        `relay_stream`), its usage in `tail`: record the prediction error and feed the
+        worker's cost model. Every API's streams teach it (`_cached_tokens` reads each one's
+        usage); requests of no kind (embeddings, rerank) have no prefill to learn from."""
         choice = ex.choice
         if choice is None or ex.kind is None or choice.decision.worker != worker:
             return  # or a retry went elsewhere than the decision priced
@@ -316,7 +316,9 @@ class Proxy:
             if error == error:  # not NaN
                 self.metrics.ttft_prediction_error.observe(error, worker)
         if self.calibrator is not None:
-            self.calibrator.observe(dispatch, first_byte_s, _cached_tokens(tail, dispatch.total_tokens))
+            self.calibrator.observe(
+                dispatch, first_byte_s, _cached_tokens(tail, dispatch.total_tokens), sent_at,
+            )
 
     # -- rank, then attempt each candidate in turn --------------------------------------
     async def _handle(self, ex: Exchange) -> None:

@@ -137,7 +137,7 @@ async def relay_stream(
         await proxy.index.written()
     if not tail and attempt.first_byte_s is not None:
         # The usage (cached tokens) is what this answer teaches the cost model.
-        proxy.learn_cost(ex, attempt.worker.name, attempt.first_byte_s, usage)
+        proxy.learn_cost(ex, attempt.worker.name, attempt.sent_at, attempt.first_byte_s, usage)
     ex.finished = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 

@@ -81,6 +81,74 @@ def test_a_slowdown_is_priced_as_soon_as_it_is_detected() -> None:
     assert ratio(e, 16384, slow=2.0) == pytest.approx(1, abs=0.15)
 
 
+def _continuation(rng: random.Random, slow: float, at: float, noise: float = 0.05) -> Observation:
+    """A short turn on a long conversation: what a worker priced slower is mostly sent."""
+    start = rng.randint(5_000, 40_000)
+    end = start + rng.randint(150, 900)
+    return Observation(start, end, seconds(start, end, 4, slow) * rng.uniform(1 - noise, 1 + noise), 0, 4, at)
+
+
+def test_answers_measured_before_a_slowdown_do_not_undo_it() -> None:
+    """Answers are fitted as they end: a long one whose first byte came before the worker
+    slowed ends after the change was detected. Fitted as new, a few such rows at the old
+    speed, longer than the continuations the slowed worker is then sent, moved the per-token
+    cost into the overhead and held it at 0.7 of the truth (the slowdown run of 5 December,
+    seed 1). Dated by their first byte, they are left with the past they belong to."""
+    rng = random.Random(7)
+    e = Estimator(PRIOR)
+    clock = 0.0
+    for _ in range(200):
+        end = rng.randint(500, 20_000)
+        start = rng.choice([0, rng.randint(0, end)])
+        clock += 0.1
+        e.add(Observation(start, end, seconds(start, end, 4) * rng.uniform(0.95, 1.05), 0, 4, clock))
+    changed_at = clock
+    before = e.shifts
+    for i in range(40):
+        clock += 0.5
+        e.add(_continuation(rng, 2.0, clock))
+        if i in (20, 21, 22):  # long prefills sent just before the change, ending now
+            start = rng.randint(5_000, 30_000)
+            end = start + rng.randint(1_500, 3_000)
+            e.add(Observation(start, end, seconds(start, end, 4), 0, 4, changed_at - rng.uniform(0, 1)))
+    assert e.shifts == before + 1 and e.stale == 3
+    assert ratio(e, 4096, slow=2.0) == pytest.approx(1, abs=0.15)
+    assert ratio(e, 16384, slow=2.0) == pytest.approx(1, abs=0.15)
+
+
+def _slowdown_detected(seed: int) -> Estimator:
+    """A settled worker slows 2x; answers vary by ±20% after the change, as a busy engine's
+    do, and every third one to end was measured before it. Fed until the change is detected."""
+    rng = random.Random(seed)
+    e = Estimator(PRIOR)
+    clock = 0.0
+    for _ in range(200):
+        end = rng.randint(500, 20_000)
+        start = rng.choice([0, rng.randint(0, end)])
+        clock += 0.1
+        e.add(Observation(start, end, seconds(start, end, 4) * rng.uniform(0.95, 1.05), 0, 4, clock))
+    before, changed_at, i = e.shifts, clock, 0
+    while e.shifts == before:
+        i += 1
+        if i % 3 == 0:
+            e.add(_continuation(rng, 1.0, changed_at - rng.uniform(0, 2), noise=0.2))
+        else:
+            clock += 0.5
+            e.add(_continuation(rng, 2.0, clock, noise=0.2))
+    return e
+
+
+def test_a_slowdown_s_factor_comes_from_the_rows_after_it() -> None:
+    """The detector trips once just over half of its window is off, and answers measured
+    before the change, ending late, fall among those after it: the median of the whole
+    window is the low end of the new answers, and understated a 2x slowdown as 1.5x (the
+    slowdown run of 5 December, seed 2; over these ten seeds 0.76-0.95 of the truth, the
+    sixth 0.82). The later half by first byte gives the change's own factor (0.83-1.07)."""
+    ratios = sorted(ratio(_slowdown_detected(seed), 4096, slow=2.0) for seed in range(10))
+    assert ratios[5] == pytest.approx(1, abs=0.1)
+    assert all(r == pytest.approx(1, abs=0.2) for r in ratios)
+
+
 def test_prior_stands_until_enough_observations() -> None:
     e = Estimator(PRIOR)
     feed(e, random.Random(4), e.settings.min_observations - 1)
