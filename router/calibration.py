@@ -275,9 +275,9 @@ class Estimator:
         if abs(_median(r for _, r in recent)) > self.settings.shift_threshold:
             s = self.settings
             if self.observations >= s.settled:
-                # The change's factor from the later half by first byte: the window is detected
-                # once just over half of it is off, and the rows before the change, some ending
-                # late among the ones after it, would pull the median back towards 1.
+                # The change's factor from the later half by first byte: a change is detected
+                # once half the window is off, and the rows before it, some ending late among
+                # the ones after it, would pull the whole window's median back towards 1.
                 later = sorted(recent, key=lambda row: row[0])[len(recent) // 2 :]
                 factor = 1.0 + _median(r for _, r in later)
                 self.stats.rescale(min(max(factor, 1.0 / s.shift_max_factor), s.shift_max_factor))

@@ -81,6 +81,18 @@ def test_a_slowdown_is_priced_as_soon_as_it_is_detected() -> None:
     assert ratio(e, 16384, slow=2.0) == pytest.approx(1, abs=0.15)
 
 
+def _settled(rng: random.Random) -> tuple[Estimator, float]:
+    """A worker's fit on 200 answers, a tenth of a second apart: the estimator and the clock."""
+    e = Estimator(PRIOR)
+    clock = 0.0
+    for _ in range(200):
+        end = rng.randint(500, 20_000)
+        start = rng.choice([0, rng.randint(0, end)])
+        clock += 0.1
+        e.add(Observation(start, end, seconds(start, end, 4) * rng.uniform(0.95, 1.05), 0, 4, clock))
+    return e, clock
+
+
 def _continuation(rng: random.Random, slow: float, at: float, noise: float = 0.05) -> Observation:
     """A short turn on a long conversation: what a worker priced slower is mostly sent."""
     start = rng.randint(5_000, 40_000)
@@ -95,13 +107,7 @@ def test_answers_measured_before_a_slowdown_do_not_undo_it() -> None:
     cost into the overhead and held it at 0.7 of the truth (the slowdown run of 5 December,
     seed 1). Dated by their first byte, they are left with the past they belong to."""
     rng = random.Random(7)
-    e = Estimator(PRIOR)
-    clock = 0.0
-    for _ in range(200):
-        end = rng.randint(500, 20_000)
-        start = rng.choice([0, rng.randint(0, end)])
-        clock += 0.1
-        e.add(Observation(start, end, seconds(start, end, 4) * rng.uniform(0.95, 1.05), 0, 4, clock))
+    e, clock = _settled(rng)
     changed_at = clock
     before = e.shifts
     for i in range(40):
@@ -120,13 +126,7 @@ def _slowdown_detected(seed: int) -> Estimator:
     """A settled worker slows 2x; answers vary by ±20% after the change, as a busy engine's
     do, and every third one to end was measured before it. Fed until the change is detected."""
     rng = random.Random(seed)
-    e = Estimator(PRIOR)
-    clock = 0.0
-    for _ in range(200):
-        end = rng.randint(500, 20_000)
-        start = rng.choice([0, rng.randint(0, end)])
-        clock += 0.1
-        e.add(Observation(start, end, seconds(start, end, 4) * rng.uniform(0.95, 1.05), 0, 4, clock))
+    e, clock = _settled(rng)
     before, changed_at, i = e.shifts, clock, 0
     while e.shifts == before:
         i += 1
@@ -139,11 +139,11 @@ def _slowdown_detected(seed: int) -> Estimator:
 
 
 def test_a_slowdown_s_factor_comes_from_the_rows_after_it() -> None:
-    """The detector trips once just over half of its window is off, and answers measured
-    before the change, ending late, fall among those after it: the median of the whole
-    window is the low end of the new answers, and understated a 2x slowdown as 1.5x (the
-    slowdown run of 5 December, seed 2; over these ten seeds 0.76-0.95 of the truth, the
-    sixth 0.82). The later half by first byte gives the change's own factor (0.83-1.07)."""
+    """The detector trips once half of its window is off, and answers measured before the
+    change, ending late, fall among those after it: the median of the whole window is the
+    low end of the new answers, and understated a 2x slowdown as 1.5x (the slowdown run of 5
+    December, seed 2; over these ten seeds 0.76-0.95 of the truth, the sixth 0.82). The
+    later half by first byte gives the change's own factor (0.83-1.07)."""
     ratios = sorted(ratio(_slowdown_detected(seed), 4096, slow=2.0) for seed in range(10))
     assert ratios[5] == pytest.approx(1, abs=0.1)
     assert all(r == pytest.approx(1, abs=0.2) for r in ratios)
