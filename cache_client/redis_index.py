@@ -218,7 +218,10 @@ class RedisIndex:
         self._resyncing = False
         self._wake: asyncio.Event | None = None
         self._flusher: asyncio.Task | None = None
-        self.stats = {"remote_lookups": 0, "fallback_lookups": 0, "lookup_calls": 0, "dropped_ops": 0, "resyncs": 0}
+        self.stats = {
+            "remote_lookups": 0, "fallback_lookups": 0, "lookup_calls": 0, "dropped_ops": 0, "resyncs": 0,
+            "unsettled_writes": 0,
+        }  # fmt: skip
         backend.probe = self._probe
         backend.on_up.append(self._on_up)
         if observer is not None:
@@ -556,8 +559,12 @@ class RedisIndex:
             return
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._settle_waiters.append((mark, fut))
-        with contextlib.suppress(TimeoutError):
+        try:
             await asyncio.wait_for(fut, self._backend.budget_s)
+        except TimeoutError:
+            # The answer ends before its write is in Redis: another replica's lookup of the
+            # next turn may not see it yet.
+            self.stats["unsettled_writes"] += 1
 
     async def evict(self, location: str, keys: Sequence[PrefixKey]) -> None:
         await self._mirror.evict(location, keys)

@@ -242,6 +242,17 @@ class RouterMetrics:
             "kvroute_cost_observations_total", "Answers the worker's cost model was fitted on.", ("worker",), observations
         )
 
+    def enable_index_stats(self, read: Callable[[], dict[LabelValues, float]]) -> None:
+        """Expose a shared index's lookups by how they were answered, and the answers that
+        ended before their write reached it (each a turn another replica may route blind)."""
+        self.registry.callback_counter(
+            "kvroute_index_events_total",
+            "Shared index: lookups answered by Redis (remote_lookup) or, over the budget or with Redis "
+            "down, by this replica's own view (fallback_lookup); answers that ended before their "
+            "write reached Redis (unsettled_write).",
+            ("event",), read,
+        )  # fmt: skip
+
     def enable_tenants(self, max_labels: int = 100) -> TenantMetrics:
         if self.tenants is None:
             self.tenants = TenantMetrics(self.registry, max_labels)

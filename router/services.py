@@ -178,6 +178,21 @@ def tenant_limiter(config: RouterConfig, index: PrefixIndex, loads: LoadBoard) -
     return TenantLimiter(redis, prefix=config.redis.prefix, replicas=replicas, lease_s=settings.concurrency_lease_s)
 
 
+INDEX_EVENTS = (("remote_lookup", "remote_lookups"), ("fallback_lookup", "fallback_lookups"),
+                ("unsettled_write", "unsettled_writes"))
+"""The shared index's counters on /metrics (`kvroute_index_events_total`): event, stats key."""
+
+
+def expose_index_stats(index: PrefixIndex, metrics: RouterMetrics) -> None:
+    """A shared index's lookups by how they were answered, and its answers that ended before
+    their write landed, on /metrics: why a turn that changed replica lost its worker."""
+    from cache_client.redis_index import RedisIndex
+
+    if isinstance(index, RedisIndex):
+        stats = index.stats
+        metrics.enable_index_stats(lambda: {(event,): float(stats[key]) for event, key in INDEX_EVENTS})
+
+
 def _health_client(config: RouterConfig) -> httpx.AsyncClient:
     p = config.proxy
     return httpx.AsyncClient(
@@ -210,6 +225,7 @@ def build_services(
         shared = redis_components(config, observer=metrics)
         index, loads = shared["index"], shared["loads"]
     index = index if index is not None else MemoryIndex(config.index.kv_capacity_tokens)
+    expose_index_stats(index, metrics)
     loads = loads if loads is not None else LocalLoadBoard(config.routing.recent_half_life_s)
     if chains is None:
         mode = build_precise(config.precise)

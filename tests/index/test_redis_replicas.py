@@ -58,13 +58,27 @@ def gauge(text: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def blind_turns(metrics: str) -> float:
+    """A replica's lookups answered by its own view (over the budget, or Redis down) and
+    answers that ended before their write reached Redis: each may leave a turn that
+    changed replica without its worker, by design (a lookup waits no longer than its budget)."""
+    found = re.findall(r'^kvroute_index_events_total\{event="(fallback_lookup|unsettled_write)"\} (\S+)$', metrics, re.MULTILINE)
+    return sum(float(v) for _, v in found)
+
+
 def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimCluster, redis_prefix: str) -> None:
     args = [*ROUTER_ARGS, *BUDGET_ARGS]
     with RouterReplicas(cluster.worker_urls, 2, SYSTEM_REDIS, redis_prefix, extra_args=args) as shared:
         result = run(ConversationLoad(shared.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate))
         metrics = [r.metrics() for r in shared.routers]
-    assert result["failed"] == 0 and result["affinity"] == 1.0, why(result)
+    # Every turn changes replica. Each turn that lost its worker must be one the shared
+    # index could not see (a fresh clone's CI run once saw 11 of 12 conversations keep
+    # their worker, with learning already off and no way to tell why).
+    moved = round((1 - result["previous_turn_stickiness"]) * 12 * 2)
+    blind = sum(blind_turns(m) for m in metrics)
+    assert result["failed"] == 0 and moved <= blind, why(result) + f", turns the index could not see: {blind:g}"
     assert all(gauge(m, "kvroute_index_backend_up") == 1.0 for m in metrics)
+    assert all(re.search(r'^kvroute_index_events_total\{event="remote_lookup"\} [1-9]', m, re.MULTILINE) for m in metrics)
 
     # The control: same workload, each replica with its own in-memory index.
     with RouterReplicas(cluster.worker_urls, 2, None, extra_args=ROUTER_ARGS) as separate:
