@@ -75,10 +75,10 @@ class Observation:
     """Of the reused tokens, those copied from the shared pool."""
     inflight: int = 0
     """Requests running on the worker when this one was sent."""
-    at: float = 0.0
+    at: float | None = None
     """When its first byte came (any monotonic clock, one per estimator): what a change of
     regime is dated by. Observations are fitted as their answers end, and a long answer
-    ends long after its first byte."""
+    ends long after its first byte. None: undated, taken as in order."""
 
     def features(self) -> tuple[float, ...]:
         n = max(self.end - self.start, 0)
@@ -237,13 +237,14 @@ class Estimator:
         return sum(p * s * x for p, s, x in zip(self._phi, self._scale, obs.features(), strict=True))
 
     def add(self, obs: Observation) -> None:
-        if obs.at < self._regime_from:
+        at = self._latest_at if obs.at is None else obs.at
+        if at < self._regime_from:
             # Measured in the regime just left, though its answer ended after the change was
             # detected (a long decode): the past it belongs to is already rescaled, and fitted
             # now it would pull the new regime's fit back by the whole change.
             self.stale += 1
             return
-        self._latest_at = max(self._latest_at, obs.at)
+        self._latest_at = max(self._latest_at, at)
         x = obs.features()
         xs = [v * s for v, s in zip(x, self._scale, strict=True)]
         # Fixed coefficients (explicit flags) move to the left side.
@@ -253,7 +254,7 @@ class Estimator:
         k = self.settings.huber_k * self.residual_scale
         huber = 1.0 if abs(r) <= k else k / abs(r)
         self.residual_scale = max(0.97 * self.residual_scale + 0.03 * min(abs(r), 10.0), 0.02)
-        self._detect_shift(obs.at, r)
+        self._detect_shift(at, r)
         # Relative errors: weighted by the observation itself, not by the prediction, which
         # changes as the fit moves (early rows would then weigh more than later ones).
         seen = max(obs.seconds, 1e-4)
@@ -415,11 +416,12 @@ class Calibrator:
         return e
 
     def observe(
-        self, d: Dispatch, first_byte_s: float, cached_tokens: int | None, sent_at: float = 0.0,
+        self, d: Dispatch, first_byte_s: float, cached_tokens: int | None, sent_at: float | None = None,
     ) -> Observation | None:
         """Learn from one answered request (`cached_tokens`: as the engine reported them,
         in the router's token units; None: not reported; `sent_at`: when it was dispatched,
-        on the clock the other observations' are). Returns what was fitted, if any."""
+        on the clock the other observations' are; None: undated). Returns what was fitted,
+        if any."""
         if d.engine_waiting > 0 or d.queued_s > self.queue_fraction * max(d.predicted_prefill_s, self.prior.step_s):
             self.skipped_queued += 1
             self._check_prior(d, first_byte_s)
@@ -429,7 +431,8 @@ class Calibrator:
         if seconds <= 0 or d.total_tokens <= 0:
             return None
         obs = Observation(
-            start, d.total_tokens, seconds, max(start - d.gpu_tokens, 0), d.inflight, sent_at + first_byte_s,
+            start, d.total_tokens, seconds, max(start - d.gpu_tokens, 0), d.inflight,
+            None if sent_at is None else sent_at + first_byte_s,
         )
         e = self.estimator(d.worker)
         e.add(obs)
