@@ -543,6 +543,7 @@ def test_dashboard_queries() -> None:
     assert "sum by (reason) (rate(kvroute_requests_total" in exprs
     assert "kvroute_worker_inflight" in exprs and "kvroute_worker_healthy" in exprs
     assert "kvroute_index_backend_up" in exprs
+    assert "sum by (event) (rate(kvroute_index_events_total" in exprs
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     # Every query follows the namespace picker, so one Grafana serves several releases.
