@@ -657,7 +657,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 10)
     if trace_rows:
         lines += ["", "## Against the trace's ideal", "", *trace_rows]
-    lines += cost_learning.markdown_lines(routers)
+    lines += cost_learning.markdown_lines(routers, results["comparison"])
     lines += ["", "## Comparison", ""]
     lines += [f"- `{k}`: {_fmt(v)}" for k, v in results["comparison"].items()]
     lines += ["", "## Harness", ""]

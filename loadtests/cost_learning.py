@@ -276,7 +276,9 @@ def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def markdown_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
+def markdown_lines(routers: dict[str, dict[str, Any]], compared: dict[str, Any]) -> list[str]:
+    """results.md's lines on the ideal floor and learned costs; `compared`: the run's
+    comparison (`comparison`'s keys among them), as computed once for results.json."""
     lines = ["", "## Against the ideal floor, and learned costs", ""]
     for key, r in routers.items():
         over = r.get("ttft_mean_over_ideal_floor")
@@ -296,7 +298,6 @@ def markdown_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
         if parts:
             text += "; learned ÷ simulated prefill cost per token at 4k/16k: " + ", ".join(parts)
         lines.append(text)
-    compared = comparison(routers)
     for key in routers:
         for ref in UNCALIBRATED:
             mean, p99, bound = (compared.get(f"{key}_over_{ref}_{stat}") for stat in ("mean", "p99", "p99_floor_bound"))

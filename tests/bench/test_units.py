@@ -363,7 +363,7 @@ def test_a_learned_router_is_compared_with_both_uncalibrated_ones_and_their_floo
     assert c["cache_aware@learned_over_exact_p99_floor_bound"] == pytest.approx(0.6875)
     # The references are not compared with each other.
     assert not [k for k in c if k.startswith(("cache_aware@exact_over", "cache_aware@static_over"))]
-    lines = markdown_lines(routers)
+    lines = markdown_lines(routers, c)
     assert "- cache_aware@learned ÷ @static: TTFT mean 0.88, p99 0.82 (no router's p99 below 0.75: its floors' p99 over @static's)" in lines
 
 
