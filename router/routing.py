@@ -88,7 +88,8 @@ class RouteDecision:
     """Other candidates, best first: where to retry if the chosen worker fails."""
     scores: tuple[CandidateScore, ...] = ()
     """Every candidate as the policy priced it, in its order of preference (the chosen one
-    is the first within the bound); empty for policies that do not price candidates."""
+    is the first within the bound, unless a faster worker answers it much sooner:
+    `cache_aware.own_time_guarded`); empty for policies that do not price candidates."""
 
 
 class Routed(NamedTuple):

@@ -56,6 +56,12 @@ tokens and reused 0.13–0.14 of the prompt tokens (the trace allows 0.204); wit
 0.167, and the mean TTFT fell from 1.67–1.75 s to 1.26 s: the moves looked right one
 request at a time and cost the fleet more than they saved.
 
+Those charges and the caps trade one request's time for the fleet's, and on a fleet of
+mixed speeds the trade has a bound (`own_time_guarded`): a request is not sent to a worker
+whose prefill of it is over a quarter longer than a faster one's, equally cached, when the
+faster one would answer it more than a quarter sooner. Without it the longest new prompts
+of a mixed fleet went to idle half-speed workers and were its tail (issue 15).
+
 A conversation's home is a worker holding the prompt of its previous turn: while that
 worker's queues are negligible the recent-count cap does not move the conversation
 (`bounded.within_bounds`), however much of the recent traffic is the conversation's own.
@@ -133,7 +139,7 @@ class CacheAwarePolicy:
         scores.sort()  # best first (see CandidateScore)
 
         best_unbounded = scores[0]
-        chosen = next(s for s in scores if s.within_bound)
+        chosen = own_time_guarded(next(s for s in scores if s.within_bound), scores, pool, cost.step_s)
         gpu, reuse = chosen.gpu_tokens, max(chosen.gpu_tokens, pool)
         if chosen is not best_unbounded and max(best_unbounded.gpu_tokens, pool) > reuse:
             reason = "overload"
@@ -143,12 +149,46 @@ class CacheAwarePolicy:
             reason = "pool_hit"
         else:
             reason = "miss"
-        ranking = tuple(s.worker for s in scores if s is not chosen and s.within_bound) + tuple(
-            s.worker for s in scores if not s.within_bound
-        )
+        others = [s for s in scores if s is not chosen]
+        ranking = tuple(s.worker for s in others if s.within_bound) + tuple(s.worker for s in others if not s.within_bound)
         return RouteDecision(
             chosen.worker, reason, cached_tokens=reuse, prefill_s=chosen.prefill_s, ranking=ranking, scores=tuple(scores)
         )
+
+
+SLOWER_WORKER_SLACK = 0.25
+"""How much longer than its quickest placement on a faster worker, equally cached, a
+request may be made to wait on a slower one for the sake of others: a quarter (and at
+least one engine step)."""
+
+
+def own_time_guarded(
+    chosen: CandidateScore, scores: Sequence[CandidateScore], pool: int, step_s: float
+) -> CandidateScore:
+    """`chosen`, unless a faster worker reusing as much of the prompt would answer it sooner.
+
+    The charges for others (the Little's-law delay, the recompute weight) and the caps
+    trade one request's time for the fleet's. On a fleet of mixed speeds that trade sent
+    the longest new prompts to idle workers at half speed, where they took twice their
+    prefill: a fast worker finishing one prefill doubled a long prompt's Little's-law
+    charge there, or sat over its in-flight cap with decodes that barely delay a prefill
+    (issue 15: 26 of the slowest 63 requests of five mixed-fleet runs). So on a worker
+    whose prefill of this request is more than `SLOWER_WORKER_SLACK` longer than another's
+    that reuses as much of it, the trade is bounded: the faster one with the lowest
+    predicted TTFT is taken instead when `chosen`'s TTFT is longer by more than that slack
+    and more than one engine step. Among workers of one speed the charges decide as before,
+    and moving a request to a worker holding more of it stays the caps' and the
+    hysteresis' call (they spread hot prefixes).
+    """
+    reuse = max(chosen.gpu_tokens, pool)
+    limit = chosen.prefill_s / (1 + SLOWER_WORKER_SLACK)
+    faster = [s for s in scores if s.prefill_s < limit and max(s.gpu_tokens, pool) == reuse]
+    if not faster:
+        return chosen
+    quickest = min(faster, key=lambda s: s.ttft_s)
+    if chosen.ttft_s - quickest.ttft_s > max(SLOWER_WORKER_SLACK * quickest.ttft_s, step_s):
+        return quickest
+    return chosen
 
 
 def recompute_weight(loads: Sequence[WorkerLoad], busy_prefill_s: float) -> float:

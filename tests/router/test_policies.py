@@ -150,6 +150,35 @@ def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> Non
     assert place(12, 1) == "b"
 
 
+def test_a_long_prompt_is_not_sent_to_a_slow_worker_for_the_sake_of_others() -> None:
+    """On a fleet of mixed speeds the charges for others and the caps traded a long new
+    prompt's own time for the fleet's: an idle worker at half speed beat a fast one
+    finishing a prefill, or one over its in-flight cap with decodes (issue 15: the mixed
+    fleet's tail). A request may be made to wait a quarter longer for others, not twice."""
+    slow_cost = CostModel(prefill_base_s=2 * COST.prefill_base_s, prefill_ctx_s=2 * COST.prefill_ctx_s)
+    names = ("f0", "f1", "s0", "s1")
+
+    def place(prompt: str, **fast_load: float) -> str:
+        ls = [WorkerLoad(n, cost=COST, **fast_load) for n in names[:2]]
+        ls += [WorkerLoad(n, cost=slow_cost) for n in names[2:]]
+        return make_policy("cache_aware").choose(RouteRequest(chain(prompt)), IndexView(), ls, COST).worker
+
+    document = "x" * 32_000  # 8k new tokens: 0.2 s on a fast worker, 0.4 s on a slow one
+    # Each fast worker finishing one short prefill: its Little's-law charge doubles the
+    # document's price there, and the idle slow workers price lower.
+    assert place(document, prefilling=1, queued_prefill_s=0.02) in ("f0", "f1")
+    # Each fast worker over the in-flight cap with decodes, which delay a prefill little.
+    assert place(document, inflight=9) in ("f0", "f1")
+    # A short prompt's difference is within the slack: the charge still decides.
+    assert place("y" * 400, prefilling=1, queued_prefill_s=0.02) in ("s0", "s1")
+
+    # Among workers of one speed the charge decides as before: b answers sooner, but three
+    # requests would wait behind this prefill there, one on a.
+    busy = {"a": {"queued_prefill_s": 0.1, "prefilling": 1}, "b": {"queued_prefill_s": 0.05, "prefilling": 3}}
+    d = make_policy("cache_aware").choose(RouteRequest(chain("z" * 8_000)), IndexView(), loads("a", "b", **busy), COST)
+    assert d.worker == "a" and d.scores[0].ttft_s > d.scores[1].ttft_s + COST.step_s
+
+
 def test_recomputing_a_held_prefix_is_charged_by_how_busy_the_fleet_is() -> None:
     """Recomputed prefill is work the fleet does twice: near saturation it delays the
     requests that arrive before the fleet catches up, not only those queued now (issue 13:
