@@ -55,6 +55,7 @@ from loadtests.harness import (
     bottleneck_verdict,
     counters_delta,
     metric_sum,
+    moved_share,
     parse_prometheus,
     percentile,
     scrape_workers,
@@ -460,6 +461,7 @@ def summarize(
         "route_reasons": {k: v for k, v in sorted(reasons.items()) if v},
         "prefill_queue_held": held,
         "requests_per_worker": dict(sorted(per_worker.items())),
+        "moved_share": moved_share(outcome.records),
         "ttft_by_turn": {
             str(t): {"n": len(v), "mean_s": _mean(v), "p99_s": percentile(v, 99)} for t, v in sorted(by_turn.items())
         },

@@ -136,6 +136,21 @@ def worker_hit_ratio(delta: dict[str, float]) -> float | None:
     return hits / queries
 
 
+def moved_share(records: Sequence[RequestRecord]) -> float | None:
+    """Share of the measured later turns sent to another worker than their session's
+    previous turn (warm-up turns count as previous turns). A move reuses the history only
+    from the pool, at its copy's cost, or recomputes it; None if no later turn has a
+    previous one with a known worker."""
+    worker_of = {(r.session, r.turn): r.worker for r in records if r.worker}
+    moved = later = 0
+    for r in records:
+        previous = worker_of.get((r.session, r.turn - 1))
+        if r.measured and r.worker and previous:
+            later += 1
+            moved += previous != r.worker
+    return moved / later if later else None
+
+
 # -- monitors -------------------------------------------------------------------------------
 
 

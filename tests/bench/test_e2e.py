@@ -93,6 +93,8 @@ def test_figures_are_consistent(run) -> None:
     assert ca["route_reasons"].get("gpu_hit", 0) > 0
     assert set(rnd["route_reasons"]) == {"random"}
     assert ca["ttft_mean_s"] < rnd["ttft_mean_s"]
+    # Random sends a later turn to the other of two workers about half the time.
+    assert 0.25 < rnd["moved_share"] < 0.75
     ratio = results["comparison"]["random_over_cache_aware_ttft_mean"]
     assert ratio == pytest.approx(rnd["ttft_mean_s"] / ca["ttft_mean_s"])
 
@@ -111,6 +113,11 @@ def test_requests_jsonl_matches_the_summary(run) -> None:
         assert len(measured) == r["requests_measured"]
         ttfts = sorted(x["ttft_s"] for x in measured if x["ttft_s"] is not None)
         assert sum(ttfts) / len(ttfts) == pytest.approx(r["ttft_mean_s"])
+        # Moves: a measured later turn on another worker than its session's previous turn.
+        worker_of = {(x["session"], x["turn"]): x["worker"] for x in rows if x["router"] == key and x["worker"]}
+        later = [(x["worker"], worker_of[x["session"], x["turn"] - 1]) for x in measured
+                 if x["worker"] and (x["session"], x["turn"] - 1) in worker_of]  # fmt: skip
+        assert r["moved_share"] == pytest.approx(sum(a != b for a, b in later) / len(later))
 
 
 @pytest.mark.parametrize("api", ["responses", "messages"])

@@ -188,6 +188,25 @@ def test_summary_figures_come_from_measured_requests_only() -> None:
     assert s["ttft_by_turn"]["1"]["mean_s"] == pytest.approx(3.0)
 
 
+def test_moved_share_counts_later_turns_sent_away_from_their_previous_worker() -> None:
+    from loadtests.harness import moved_share
+
+    def turn(session: int, t: int, worker: str | None, measured: bool = True) -> RequestRecord:
+        return RequestRecord(session, t, "answer", measured, float(t), 200 if worker else 502, worker=worker)
+
+    records = [
+        turn(0, 0, "w0", measured=False),  # a warm-up turn still names the previous worker
+        turn(0, 1, "w0"),
+        turn(0, 2, "w1"),  # moved
+        turn(0, 3, "w1"),
+        turn(1, 0, "w2"),  # a first turn has no previous one
+        turn(1, 1, None),  # failed: no worker
+        turn(1, 2, "w0"),  # its previous turn failed: not counted
+    ]
+    assert moved_share(records) == pytest.approx(1 / 3)
+    assert moved_share(records[:1]) is None
+
+
 def test_comparison_ratios() -> None:
     def r(kind: str, mean: float, p99: float, **extra) -> dict:
         return {"kind": kind, "ttft_mean_s": mean, "ttft_p99_s": p99, **extra}
