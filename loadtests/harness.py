@@ -19,7 +19,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -136,18 +136,28 @@ def worker_hit_ratio(delta: dict[str, float]) -> float | None:
     return hits / queries
 
 
+def moves_from_previous_turn(
+    worker_of: Mapping[tuple[int, int], str | None], turns: Iterable[tuple[int, int, str | None]]
+) -> tuple[int, int]:
+    """(moved, counted) over `turns` as (session, turn, worker): those whose session's
+    previous turn is in `worker_of` are counted, and moved if they went to another worker."""
+    moved = counted = 0
+    for session, turn, worker in turns:
+        previous = (session, turn - 1)
+        if previous in worker_of:
+            counted += 1
+            moved += worker_of[previous] != worker
+    return moved, counted
+
+
 def moved_share(records: Sequence[RequestRecord]) -> float | None:
     """Share of the measured later turns sent to another worker than their session's
     previous turn (warm-up turns count as previous turns). A move reuses the history only
     from the pool, at its copy's cost, or recomputes it; None if no later turn has a
     previous one with a known worker."""
     worker_of = {(r.session, r.turn): r.worker for r in records if r.worker}
-    moved = later = 0
-    for r in records:
-        previous = worker_of.get((r.session, r.turn - 1))
-        if r.measured and r.worker and previous:
-            later += 1
-            moved += previous != r.worker
+    measured = ((r.session, r.turn, r.worker) for r in records if r.measured and r.worker)
+    moved, later = moves_from_previous_turn(worker_of, measured)
     return moved / later if later else None
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import redis
 
+from loadtests.harness import moves_from_previous_turn
 from loadtests.processes import kill_group, spawn
 from loadtests.routerproc import RouterProcess, port_free
 
@@ -370,12 +371,11 @@ def affinity(
     same = sum(r.worker == first[r.conversation] for r in later)
     # Stickiness to the previous turn's worker: recovers as soon as routing is shared again.
     by_turn = {(r.conversation, r.turn): r.worker for r in results if r.error is None}
-    prev = [r for r in later if (r.conversation, r.turn - 1) in by_turn]
-    stay = sum(r.worker == by_turn[(r.conversation, r.turn - 1)] for r in prev)
+    moved, counted = moves_from_previous_turn(by_turn, ((r.conversation, r.turn, r.worker) for r in later))
     return {
         "turns": len(later),
         "affinity": round(same / len(later), 4) if later else None,
-        "previous_turn_stickiness": round(stay / len(prev), 4) if prev else None,
+        "previous_turn_stickiness": round((counted - moved) / counted, 4) if counted else None,
     }
 
 
