@@ -8,9 +8,9 @@ chat template that renders tools and tool calls (vLLM's `hermes` tool parser nee
 weights are written: outputs are noise, but prefill cost, the KV cache, prefix caching and
 KV events are all real.
 
-The model (34M parameters, 16 KiB of KV per token) is sized so that a long prompt's
-prefill dominates a request's time on one CPU core (seconds for a few thousand tokens)
-while a cached prompt costs tens of milliseconds: that is what makes cache-aware routing
+The model (34M parameters, 16 KiB of KV per token in bfloat16, 32 KiB in float32) is
+sized so that a long prompt's prefill dominates a request's time on one CPU core (seconds
+for a few thousand tokens) while a cached prompt costs tens of milliseconds: that is what makes cache-aware routing
 measurable on a CPU.
 
 Usage: python build_model.py OUT_DIR   (prints OUT_DIR; reuses it when already complete)

@@ -40,6 +40,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 names = ("exactness", "agent", "reuse", "a", "c")
 passed = sum(1 for k in names if isinstance(r.get(k), dict) and r[k].get("ok"))
-print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s")
+print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s, "
+      f"dtype {r.get('dtype')}")
 EOF
 exit $status

@@ -59,6 +59,7 @@ from typing import Any
 import httpx
 
 from loadtests.processes import spawn, stop_children_on_signals, stop_group
+from loadtests.vllm_e2e.build_model import LLAMA_CONFIG
 from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES
 
 BLOCK = 32
@@ -67,9 +68,35 @@ WORKER_BLOCKS = 520
 """KV capacity per worker (×32 = 16,640 tokens): holds half of workload (b)'s
 conversations (≈2.4k tokens each at the end, with room for an uneven split), not all of
 them (≈29k), so where a conversation goes decides whether its history is still there."""
-POOL_GB = 0.125
-"""LMCache L1: 32 chunks of 256 tokens (16 KiB of KV per token for the tiny model), ≈8k
-tokens: the sequential phases (a), (c) fit, workload (b) does not."""
+
+
+def native_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The tiny model's dtype: bfloat16 where the CPU computes it (AVX-512 BF16 or AMX),
+    float32 elsewhere, where PyTorch and vLLM's AVX2 kernels emulate bfloat16 (CI on
+    machines without AVX-512 took ~20 minutes). On an AVX-512 BF16 machine with the AVX2
+    paths forced, the reuse check took 107 s in bfloat16 and 42 s in float32 (natively:
+    27 s and 37 s); docs/precise.md has the figures. The checks count tokens: the dtype
+    changes their speed, never their figures. `KVROUTE_E2E_DTYPE` overrides."""
+    if chosen := os.environ.get("KVROUTE_E2E_DTYPE"):
+        return chosen
+    try:
+        with open(cpuinfo, encoding="utf-8") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+DTYPE = native_dtype()
+KV_BYTES_PER_TOKEN = (
+    LLAMA_CONFIG["num_hidden_layers"] * 2 * LLAMA_CONFIG["num_key_value_heads"] * LLAMA_CONFIG["head_dim"]
+    * (2 if DTYPE in ("bfloat16", "float16") else 4)
+)
+"""The tiny model's KV per token: layers × (K, V) × KV heads × head dims × the dtype's bytes."""
+POOL_TOKENS = 8192
+"""LMCache L1: 32 chunks of 256 tokens: the sequential phases (a), (c) fit, workload (b)
+does not."""
+POOL_GB = POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30
 REUSE_MIN_OF_REUSABLE = 0.9
 """Share of the reusable prompt tokens (`reusable_tokens`) the engines must reuse under
 precise cache_aware in the CI check. The conversations overflow one worker's KV and fit in
@@ -247,7 +274,7 @@ class Stack:
             "taskset", "-c", str(core),
             str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", MODEL_NAME, "--load-format", "dummy",
-            "--dtype", "bfloat16", "--max-model-len", "8192", "--block-size", str(BLOCK),
+            "--dtype", DTYPE, "--max-model-len", "8192", "--block-size", str(BLOCK),
             "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
             "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
             *AGENT_API_FLAGS, *EAGER_FLAGS, *self.worker_args,
@@ -265,7 +292,7 @@ class Stack:
             sys.executable, "-m", "router.cli", "serve", "--port", str(self.router_port), "--policy", policy,
             "--worker", f"{w1.name}={w1.url}", "--worker", f"{w2.name}={w2.url}",
             "--admin-token", ADMIN_TOKEN, "--health-interval-s", "1", "--log-level", "warning",
-            "--pool-capacity-tokens", str(int(POOL_GB * 2**30 / (16 * 1024))),
+            "--pool-capacity-tokens", str(POOL_TOKENS),
             "--tokenizer", str(self.model),
             # w1 configured explicitly; w2 found through vLLM's /kv_event_sources.
             "--kv-events", f"{w1.name}=tcp://127.0.0.1:{w1.events},replay=tcp://127.0.0.1:{w1.replay},topic=kv",
@@ -837,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-vllm-e2e-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(args.venv, args.model, logdir)
-    report: dict[str, Any] = {"logdir": str(logdir), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report: dict[str, Any] = {"logdir": str(logdir), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "dtype": DTYPE}
     t_start = time.monotonic()
     ok = False
     # SIGTERM / SIGINT: the vLLM workers, the LMCache server and the router are stopped,

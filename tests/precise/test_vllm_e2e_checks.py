@@ -1,8 +1,12 @@
-"""The real-vLLM stage's reuse check, on its own arithmetic (no vLLM needed)."""
+"""The real-vLLM stage's reuse check, on its own arithmetic, and its choice of dtype (no vLLM needed)."""
 
 from __future__ import annotations
 
-from loadtests.vllm_e2e.run_e2e import BLOCK, Result, reusable_tokens
+from pathlib import Path
+
+import pytest
+
+from loadtests.vllm_e2e.run_e2e import BLOCK, Result, native_dtype, reusable_tokens
 
 
 def _r(conversation: int, prompt_tokens: int) -> Result:
@@ -19,3 +23,23 @@ def test_reusable_tokens_are_each_previous_prompt_in_whole_blocks() -> None:
 def test_an_engine_always_computes_the_last_prompt_token() -> None:
     # The same 64-token prompt twice: at most 63 tokens are served from cache, i.e. 32.
     assert reusable_tokens([_r(0, 64), _r(0, 64)]) == 32
+
+
+def _cpuinfo(tmp_path: Path, flags: str) -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    return str(path)
+
+
+def test_the_tiny_model_runs_in_bfloat16_only_where_the_cpu_computes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVROUTE_E2E_DTYPE", raising=False)
+    assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni")) == "bfloat16"
+    assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 amx_bf16 amx_tile")) == "bfloat16"
+    # AVX-512 without its BF16 extension, AVX2 only, or no flags to read: float32.
+    assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 avx512f avx512bw")) == "float32"
+    assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 fma")) == "float32"
+    assert native_dtype(str(tmp_path / "missing")) == "float32"
+    monkeypatch.setenv("KVROUTE_E2E_DTYPE", "bfloat16")
+    assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2")) == "bfloat16"
