@@ -9,10 +9,11 @@ What is learnt later (generated tokens, a request's end) is queued and rides wit
 check, or goes out on its own after `flush_delay_s`: never on the request's path.
 
 While Redis is unreachable (the shared `RedisBackend` is down, or the check does not
-answer within `budget_s`) each replica enforces its share of every limit locally, the limit
-÷ the number of replicas (`replicas()`: the live replicas the load board saw last, or the
-`tenant_replicas` setting), so no request fails because Redis is away and the fleet as a
-whole stays near the limit. Requests admitted either way are released the same way.
+answer within its budget: `CHECK_BUDGET_S`, or the index's lookup budget where that is
+longer, since the check rides the lookup's own call) each replica enforces its share of
+every limit locally, the limit ÷ the number of replicas (`replicas()`: the live replicas
+the load board saw last, or the `tenant_replicas` setting), so no request fails because
+Redis is away and the fleet as a whole stays near the limit. Requests admitted either way are released the same way.
 
 Without Redis (one replica) the local limiter holds the whole limit.
 """
@@ -53,6 +54,11 @@ _CODES = {1: RATE, 2: TOKENS, 3: CONCURRENT}
 _MAX_QUEUED_OPS = 60_000
 """Releases and debits kept for Redis while it is away; beyond, the oldest are dropped
 (a dropped release frees its slot when its lease ends)."""
+CHECK_BUDGET_S = 0.05
+"""Longest a limit check waits for Redis before the local share decides: ten times the
+index's default lookup budget, since a verdict that admits or refuses is worth more wait
+than a routing hint. Never shorter than the index's configured lookup budget: an operator
+who gave a slow Redis 200 ms for its lookups gave it that for the check riding in them."""
 
 
 @dataclass(slots=True)
@@ -102,7 +108,7 @@ class TenantLimiter:
         prefix: str = "kvroute",
         replicas: Callable[[], int] = lambda: 1,
         lease_s: float = 600.0,
-        budget_s: float = 0.05,
+        budget_s: float = CHECK_BUDGET_S,
         flush_delay_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -111,7 +117,7 @@ class TenantLimiter:
         self._key = self._tag + ":tl"
         self._replicas = replicas
         self._lease_ms = int(lease_s * 1000)
-        self._budget_s = budget_s
+        self._budget_s = max(budget_s, index.backend.budget_s) if index is not None else budget_s
         self._flush_delay_s = flush_delay_s
         self._clock = clock
         self.local = LocalLimits()

@@ -4,15 +4,17 @@ round trip. Own key prefix per test, removed after."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
-from cache_client.redis_conn import RedisBackend, parse_redis_url
+from cache_client.redis_conn import RedisBackend, make_client, parse_redis_url
 from cache_client.redis_index import RedisIndex
 from router.errors import RouterError
-from router.tenants.enforce import OverLimit, TenantLimiter
+from router.tenants.enforce import CHECK_BUDGET_S, OverLimit, TenantLimiter
 from router.tenants.limits import CONCURRENT, RATE, TOKENS
 from router.tenants.model import Tenant, TenantLimits
 from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
@@ -101,3 +103,47 @@ async def test_riding_works_on_a_redis_cluster(redis_cluster) -> None:
         assert isinstance(refused, OverLimit) and refused.limit == RATE
     finally:
         await index.close()
+
+
+class SlowPipelines:
+    """A real Redis client whose pipelines (lookups, and the checks riding in them) answer
+    `delay_s` late, as a distant Redis would; its pings do not wait."""
+
+    def __init__(self, client: Any, delay_s: float) -> None:
+        self._client = client
+        self._delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        pipe = self._client.pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def late(*a: Any, **kw: Any) -> Any:
+            await asyncio.sleep(self._delay_s)
+            return await execute(*a, **kw)
+
+        pipe.execute = late
+        return pipe
+
+
+async def test_the_check_waits_as_long_as_the_configured_lookup_budget() -> None:
+    # Redis answers in 0.1 s: over the check's own 50 ms, within the 300 ms an operator
+    # gave the lookups. The check must wait for it too, not limit on the local share.
+    prefix = f"test-tl-{uuid.uuid4().hex[:12]}"
+    settings = parse_redis_url(SYSTEM_REDIS)
+    backend = RedisBackend(
+        settings, budget_s=0.3, client_factory=lambda: SlowPipelines(make_client(settings, 1.0, 0.5), 0.1)
+    )
+    index = RedisIndex(backend, prefix=prefix)
+    try:
+        assert await index.connect()
+        limiter = TenantLimiter(index, prefix=prefix)
+        assert CHECK_BUDGET_S < 0.1
+        tenant = Tenant("acme", ("k",), limits=TenantLimits(requests_per_s=100))
+        assert not isinstance(await check(limiter, tenant), RouterError)
+        assert limiter.stats == {"remote": 1, "local": 0, "flushes": 0}
+    finally:
+        await index.close()
+        delete_prefix(SYSTEM_REDIS, "{" + prefix + "}")
