@@ -13,7 +13,8 @@ answer within its budget: `CHECK_BUDGET_S`, or the index's lookup budget where t
 longer, since the check rides the lookup's own call) each replica enforces its share of
 every limit locally, the limit ÷ the number of replicas (`replicas()`: the live replicas
 the load board saw last, or the `tenant_replicas` setting), so no request fails because
-Redis is away and the fleet as a whole stays near the limit. Requests admitted either way are released the same way.
+Redis is away and the fleet as a whole stays near the limit. Requests admitted either way
+are released the same way.
 
 Without Redis (one replica) the local limiter holds the whole limit.
 """
