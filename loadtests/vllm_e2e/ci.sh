@@ -11,7 +11,7 @@
 # predicted tokens. The TTFT comparison with random is a benchmark, not a check:
 #   python -m loadtests.vllm_e2e.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
 # The tiny model runs in bfloat16 on CPUs with AVX-512 BF16 or AMX, in float32 elsewhere
-# (KVROUTE_E2E_DTYPE overrides; run_e2e.native_dtype).
+# (run_e2e.native_dtype; KVROUTE_E2E_ARGS="--dtype float32" chooses).
 # Writes the JSON report to $KVROUTE_E2E_REPORT (default: vllm-e2e-report.json in the
 # current directory) and exits non-zero if any check fails. A few minutes with the venv
 # cached; building the venv on a fresh machine adds its download and install.

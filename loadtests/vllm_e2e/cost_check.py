@@ -47,6 +47,7 @@ from loadtests.vllm_e2e.run_e2e import (
     MODEL_NAME,
     WORDS,
     Stack,
+    add_dtype_argument,
     free_port,
     start,
     wait_http,
@@ -175,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--max-words", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=1)
+    add_dtype_argument(ap)
     ap.add_argument("--logdir", type=Path, default=None, help="the processes' logs (default: a new directory under the temporary directory)")
     args = ap.parse_args(argv)
     logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-cost-check-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(args.venv, args.model, logdir, worker_args=["--enable-prompt-tokens-details"])
+    stack = Stack(args.venv, args.model, logdir, worker_args=["--enable-prompt-tokens-details"],
+                  dtype=args.dtype)
     report: dict[str, Any] = {"logdir": str(logdir)}
     t0 = time.monotonic()
     ok = False

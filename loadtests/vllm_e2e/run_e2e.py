@@ -70,15 +70,16 @@ conversations (≈2.4k tokens each at the end, with room for an uneven split), n
 them (≈29k), so where a conversation goes decides whether its history is still there."""
 
 
+DTYPES = ("bfloat16", "float32")
+
+
 def native_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The tiny model's dtype: bfloat16 where the CPU computes it (AVX-512 BF16 or AMX),
-    float32 elsewhere, where PyTorch and vLLM's AVX2 kernels emulate bfloat16 (CI on
-    machines without AVX-512 took ~20 minutes). On an AVX-512 BF16 machine with the AVX2
-    paths forced, the reuse check took 107 s in bfloat16 and 42 s in float32 (natively:
-    27 s and 37 s); docs/precise.md has the figures. The checks count tokens: the dtype
-    changes their speed, never their figures. `KVROUTE_E2E_DTYPE` overrides."""
-    if chosen := os.environ.get("KVROUTE_E2E_DTYPE"):
-        return chosen
+    """The tiny model's dtype by default (`--dtype` chooses another): bfloat16 where the
+    CPU computes it (AVX-512 BF16 or AMX), float32 elsewhere, where PyTorch and vLLM's AVX2
+    kernels emulate bfloat16 (CI on machines without AVX-512 took ~20 minutes). On an
+    AVX-512 BF16 machine with the AVX2 paths forced, the reuse check took 107 s in bfloat16
+    and 42 s in float32 (natively: 27 s and 37 s); docs/precise.md has the figures. The
+    checks count tokens: the dtype changes their speed, never their figures."""
     try:
         with open(cpuinfo, encoding="utf-8") as fh:
             flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
@@ -87,16 +88,20 @@ def native_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
-DTYPE = native_dtype()
-KV_BYTES_PER_TOKEN = (
-    LLAMA_CONFIG["num_hidden_layers"] * 2 * LLAMA_CONFIG["num_key_value_heads"] * LLAMA_CONFIG["head_dim"]
-    * (2 if DTYPE in ("bfloat16", "float16") else 4)
-)
-"""The tiny model's KV per token: layers × (K, V) × KV heads × head dims × the dtype's bytes."""
+def add_dtype_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dtype", choices=DTYPES, default=native_dtype(),
+                    help="the tiny model's dtype (default: bfloat16 where the CPU computes it, else float32)")
+
+
+def kv_bytes_per_token(dtype: str) -> int:
+    """The tiny model's KV per token: layers × (K, V) × KV heads × head dims × the dtype's bytes."""
+    c = LLAMA_CONFIG
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * (2 if dtype == "bfloat16" else 4)
+
+
 POOL_TOKENS = 8192
 """LMCache L1: 32 chunks of 256 tokens: the sequential phases (a), (c) fit, workload (b)
 does not."""
-POOL_GB = POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30
 REUSE_MIN_OF_REUSABLE = 0.9
 """Share of the reusable prompt tokens (`reusable_tokens`) the engines must reuse under
 precise cache_aware in the CI check. The conversations overflow one worker's KV and fit in
@@ -241,6 +246,7 @@ class Stack:
     router_port: int = 0
     worker_args: list[str] = field(default_factory=list)
     """More vLLM flags for every worker (loadtests/tenants_e2e.py: usage's cached tokens)."""
+    dtype: str = field(default_factory=native_dtype)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **ENV_QUIET}
@@ -249,7 +255,8 @@ class Stack:
         self.lmcache_port, self.lmcache_http = free_port(), free_port()
         cmd = [
             str(self.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.lmcache_port),
-            "--l1-size-gb", str(POOL_GB), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+            "--l1-size-gb", str(POOL_TOKENS * kv_bytes_per_token(self.dtype) / 2**30),
+            "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
             "--http-host", "127.0.0.1", "--http-port", str(self.lmcache_http),
             "--prometheus-port", str(free_port()),
         ]
@@ -274,7 +281,7 @@ class Stack:
             "taskset", "-c", str(core),
             str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--served-model-name", MODEL_NAME, "--load-format", "dummy",
-            "--dtype", DTYPE, "--max-model-len", "8192", "--block-size", str(BLOCK),
+            "--dtype", self.dtype, "--max-model-len", "8192", "--block-size", str(BLOCK),
             "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
             "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
             *AGENT_API_FLAGS, *EAGER_FLAGS, *self.worker_args,
@@ -793,6 +800,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", type=Path, required=True)
     ap.add_argument("--model", type=Path, required=True)
+    add_dtype_argument(ap)
     ap.add_argument("--out", type=Path, default=Path("vllm-e2e-report.json"))
     ap.add_argument("--logdir", type=Path, default=None)
     ap.add_argument("--conversations", type=int, default=12)
@@ -863,8 +871,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logdir = args.logdir or Path(tempfile.gettempdir()) / f"kvroute-vllm-e2e-{os.getpid()}"
     logdir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(args.venv, args.model, logdir)
-    report: dict[str, Any] = {"logdir": str(logdir), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "dtype": DTYPE}
+    stack = Stack(args.venv, args.model, logdir, dtype=args.dtype)
+    report: dict[str, Any] = {"logdir": str(logdir), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "dtype": stack.dtype}
     t_start = time.monotonic()
     ok = False
     # SIGTERM / SIGINT: the vLLM workers, the LMCache server and the router are stopped,

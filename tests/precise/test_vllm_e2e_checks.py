@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from loadtests.vllm_e2e.run_e2e import BLOCK, Result, native_dtype, reusable_tokens
+from loadtests.vllm_e2e.run_e2e import (
+    BLOCK,
+    Result,
+    kv_bytes_per_token,
+    native_dtype,
+    parse_args,
+    reusable_tokens,
+)
 
 
 def _r(conversation: int, prompt_tokens: int) -> Result:
@@ -31,15 +36,13 @@ def _cpuinfo(tmp_path: Path, flags: str) -> str:
     return str(path)
 
 
-def test_the_tiny_model_runs_in_bfloat16_only_where_the_cpu_computes_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("KVROUTE_E2E_DTYPE", raising=False)
+def test_the_tiny_model_runs_in_bfloat16_only_where_the_cpu_computes_it(tmp_path: Path) -> None:
     assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni")) == "bfloat16"
     assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 amx_bf16 amx_tile")) == "bfloat16"
     # AVX-512 without its BF16 extension, AVX2 only, or no flags to read: float32.
     assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 avx512f avx512bw")) == "float32"
     assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2 fma")) == "float32"
     assert native_dtype(str(tmp_path / "missing")) == "float32"
-    monkeypatch.setenv("KVROUTE_E2E_DTYPE", "bfloat16")
-    assert native_dtype(_cpuinfo(tmp_path, "fpu sse2 avx2")) == "bfloat16"
+    # `--dtype` chooses another, and the pool's gigabytes follow its bytes per token.
+    assert parse_args(["--venv", "v", "--model", "m", "--dtype", "float32"]).dtype == "float32"
+    assert kv_bytes_per_token("float32") == 2 * kv_bytes_per_token("bfloat16") == 32 * 1024
