@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,13 @@ import orjson
 import pytest
 import redis
 
+from loadtests.harness import metric_sum, parse_prometheus
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 from router.tenants.salt import derive_salt
 from tests.support.system_redis import SYSTEM_REDIS
 from tests.support.upstream import RecordingUpstream
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.sim_cluster(workers=4, time_scale=0.02)]
 
@@ -96,13 +97,10 @@ def check_isolation(urls: list[str], model: str) -> None:
     send_hit(next(at), "dave", shared_doc, model)
 
 
-def wait_until_redis_answers(url: str) -> None:
+def wait_until_redis_answers(router: RouterProcess) -> None:
     """A router serves before Redis answers it (on its own, empty view): the scenario's
     later sends would route blind."""
-    deadline = time.monotonic() + 20
-    while not re.search(r"kvroute_index_backend_up 1(\.0)?\b", index_state(url)):
-        assert time.monotonic() < deadline, index_state(url)
-        time.sleep(0.05)
+    wait_for(lambda: metric_sum(parse_prometheus(router.metrics()), "kvroute_index_backend_up") == 1.0, timeout_s=20)
 
 
 def test_one_router_keeps_tenants_apart(cluster: SimCluster, tenants_file: Path) -> None:
@@ -128,7 +126,7 @@ def test_four_replicas_sharing_redis_keep_tenants_apart(cluster: SimCluster, ten
     try:
         for r in routers:
             r.start()
-            wait_until_redis_answers(r.url)
+            wait_until_redis_answers(r)
         check_isolation([r.url for r in routers], cluster.model)
     finally:
         for r in routers:
