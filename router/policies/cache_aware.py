@@ -138,10 +138,12 @@ class CacheAwarePolicy:
             scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, pool, prefill, ttft, w.name in eligible, w)))
         scores.sort()  # best first (see CandidateScore)
 
-        best_unbounded = scores[0]
         chosen = own_time_guarded(next(s for s in scores if s.within_bound), scores, pool, cost.step_s)
         gpu, reuse = chosen.gpu_tokens, max(chosen.gpu_tokens, pool)
-        if chosen is not best_unbounded and max(best_unbounded.gpu_tokens, pool) > reuse:
+        # Passing over the worker that holds more of the prefix is a choice made for load
+        # (its bound, or a queue longer than the recompute), not an index that knew nothing:
+        # the reason says which, for operators reading misses as lost prefixes.
+        if most_cached > reuse:
             reason = "overload"
         elif gpu > 0 and gpu >= pool:
             reason = "gpu_hit"

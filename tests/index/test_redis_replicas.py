@@ -18,7 +18,8 @@ import orjson
 import pytest
 import redis
 
-from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, summarize
+from loadtests.harness import moves_from_previous_turn
+from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, TurnResult, summarize
 from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
 from tests.support.system_redis import SYSTEM_REDIS
@@ -66,15 +67,27 @@ def blind_turns(metrics: str) -> float:
     return sum(float(v) for _, v in found)
 
 
+def unexplained_moves(results: list[TurnResult]) -> int:
+    """Later turns sent to another worker than their previous turn's, except those the
+    router says it sent elsewhere for load (`overload`: the worker holding the prefix was
+    over its bound, or its queue cost more than recomputing)."""
+    worker_of = {(r.conversation, r.turn): r.worker for r in results if r.error is None}
+    later = ((r.conversation, r.turn, r.worker) for r in results if r.turn > 0 and r.error is None and r.reason != "overload")
+    return moves_from_previous_turn(worker_of, later)[0]
+
+
 def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimCluster, redis_prefix: str) -> None:
     args = [*ROUTER_ARGS, *BUDGET_ARGS]
     with RouterReplicas(cluster.worker_urls, 2, SYSTEM_REDIS, redis_prefix, extra_args=args) as shared:
-        result = run(ConversationLoad(shared.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate))
+        load = ConversationLoad(shared.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate)
+        result = run(load)
         metrics = [r.metrics() for r in shared.routers]
     # Every turn changes replica. Each turn that lost its worker must be one the shared
-    # index could not see (a fresh clone's CI run once saw 11 of 12 conversations keep
-    # their worker, with learning already off and no way to tell why).
-    moved = round((1 - result["previous_turn_stickiness"]) * result["turns"])
+    # index could not see, or one the router moved for load and said so: on a busy machine
+    # the answers of a few milliseconds wait, two cold first turns still prefilling on a
+    # conversation's worker cost more than recomputing its 3k tokens elsewhere (a fresh
+    # clone's CI run, reproduced with two CPU hogs beside it: 1 of 25 runs).
+    moved = unexplained_moves(load.results)
     blind = sum(blind_turns(m) for m in metrics)
     assert result["failed"] == 0 and moved <= blind, why(result) + f", turns the index could not see: {blind:g}"
     assert all(gauge(m, "kvroute_index_backend_up") == 1.0 for m in metrics)
@@ -82,9 +95,10 @@ def test_replicas_sharing_redis_keep_conversations_on_their_worker(cluster: SimC
 
     # The control: same workload, each replica with its own in-memory index.
     with RouterReplicas(cluster.worker_urls, 2, None, extra_args=ROUTER_ARGS) as separate:
-        control = run(ConversationLoad(separate.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate,
-                                       seed=2))
+        load = ConversationLoad(separate.urls, conversations=12, turns=3, arrival_rate=10, pick=alternate, seed=2)
+        control = run(load)
     assert control["failed"] == 0 and control["affinity"] < 0.9, control
+    assert unexplained_moves(load.results) > 0, "a replica blind to the other's prefixes moves turns as misses"
 
 
 # The processes share one listening socket and the kernel hands each new connection to

@@ -50,7 +50,11 @@ def test_cache_aware_leaves_a_worker_whose_queue_costs_more_than_recompute() -> 
     busy = {"b": {"inflight": 1, "queued_prefill_s": 2.0}}
     d = make_policy("cache_aware").choose(RouteRequest(c), view, loads("a", "b", **busy), COST)
     assert d.worker == "a"
-    assert d.reason == "miss"
+    # The prefix was known and set aside for b's queue: a choice made for load, not a miss.
+    assert (d.reason, d.cached_tokens) == ("overload", 0)
+    # Where no worker holds it, recomputing is a miss.
+    d = make_policy("cache_aware").choose(RouteRequest(c), IndexView({}), loads("a", "b", **busy), COST)
+    assert (d.worker, d.reason) == ("a", "miss")
 
 
 def test_cache_aware_prices_a_worker_running_behind_its_predictions() -> None:
