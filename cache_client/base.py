@@ -1,7 +1,8 @@
 """The index interface: which locations (workers, or the shared pool) hold which prefixes.
 
-A *location* is a worker name, or `POOL` for the shared LMCache CPU pool that every
-worker can load from. Each location has a capacity model: an LRU over the prefix keys
+A *location* is a worker name (its GPU), or a tier a worker may load from: its node's
+LMCache CPU pool (`POOL` in a one-node fleet), its node's disk, the remote tier
+(`cache_client/tiers.py` names them). Each location has a capacity model: an LRU over the prefix keys
 recorded on it, bounded in tokens, so that prefixes a worker has surely evicted stop
 attracting traffic. Implementations: `memory.MemoryIndex` (in-process, the default) and
 `redis_index.RedisIndex` (shared by router replicas, on a `redis_conn.RedisBackend`).
@@ -27,7 +28,16 @@ class IndexSettings:
     """KV capacity of each worker in tokens, for the LRU capacity model (one H200's KV for
     Llama-3-8B, see `cache_client.memory.DEFAULT_CAPACITY_TOKENS`)."""
     pool_capacity_tokens: int = 0
-    """>0: the workers share an LMCache CPU pool of this many tokens."""
+    """>0: each node's workers share an LMCache CPU pool of this many tokens (one pool for
+    a fleet given no nodes)."""
+    disk_capacity_tokens: int = 0
+    """>0: each node's LMCache server also keeps a disk tier of this many tokens."""
+    remote_capacity_tokens: int = 0
+    """>0: a cluster-wide remote tier (LMCache's remote backend) of this many tokens, which
+    every node reads over the network."""
+    remote_write_through: bool = True
+    """Workers write what they compute to the remote tier too (LMCache's default with a
+    remote backend); off: only KV events report what it holds."""
     responses_owner_ttl_s: float = 3600.0
     """How long the router remembers which worker stores a Responses-API response
     (`previous_response_id` affinity, cache_client/response_owners.py)."""

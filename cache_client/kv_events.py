@@ -18,9 +18,10 @@ Locations (see docs/precise.md):
 
 * `medium` GPU (or absent) → the worker itself: its events are authoritative, so the
   router records nothing on its own in precise mode.
-* `medium` CPU → by default the shared pool `POOL`. With LMCache's multi-process connector
-  every worker relays the LMCache server's CPU store/evict events (in its `lmcache_driven`
-  transfer mode), so all workers report the same pool and duplicates are harmless. LMCache
+* `medium` CPU → by default the pool of the publishing worker's node (`pool_of`: `POOL` in
+  a one-node fleet). With LMCache's multi-process connector every worker relays its node's
+  LMCache server's CPU store/evict events (in its `lmcache_driven` transfer mode), so all
+  workers of a node report the same pool and duplicates are harmless. LMCache
   hashes 256-token chunks with its own algorithm (blake3 by default); each CPU event
   carries the chunk's tokens and its parent chunk hash, so `PoolTranslator` re-hashes the
   chunk with vLLM's block hasher, continuing from the parent chunk's last vLLM hash, and
@@ -366,6 +367,10 @@ class MetricsRegistry(Protocol):
 
 
 # -- ingestion ------------------------------------------------------------------------------
+def _one_pool(worker: str) -> str:
+    return POOL
+
+
 class KvEventIngestor:
     """Applies KV events from every worker to a `PrefixIndex`."""
 
@@ -375,7 +380,7 @@ class KvEventIngestor:
         *,
         hasher: BlockHasher | None = None,
         cpu_medium: CpuMedium = "pool",
-        pool_location: str = POOL,
+        pool_of: Callable[[str], str] | None = None,
         verify_hashes: int = 64,
         context: Any = None,
         clock: Callable[[], float] = time.time,
@@ -384,7 +389,8 @@ class KvEventIngestor:
         self.index = index
         self.hasher = hasher
         self.cpu_medium = cpu_medium
-        self.pool_location = pool_location
+        self.pool_of: Callable[[str], str] = pool_of if pool_of is not None else _one_pool
+        """Worker name -> the location of its node's pool (where its CPU events go)."""
         self.translator = PoolTranslator(hasher) if hasher is not None else None
         self.verify_hashes = verify_hashes
         self.stats = KvEventStats()
@@ -426,7 +432,7 @@ class KvEventIngestor:
             return source.worker
         if medium.upper() == "CPU":
             if self.cpu_medium == "pool":
-                return self.pool_location
+                return self.pool_of(source.worker)
             if self.cpu_medium == "worker":
                 return f"{source.worker}@cpu"
         return None
@@ -443,7 +449,7 @@ class KvEventIngestor:
             loc = self._location(source, ev.medium)
             if loc is None:
                 continue
-            pooled = loc == self.pool_location
+            pooled = self.cpu_medium == "pool" and loc != source.worker
             if ev.kind == "stored":
                 keys: Sequence[int] = ev.block_hashes
                 block = ev.block_size or (self.hasher.block_size if self.hasher else 1)

@@ -55,6 +55,7 @@ def register_admin(api: FastAPI, services: Services) -> None:
     def info(w: Worker) -> dict[str, Any]:
         return {
             "name": w.name,
+            "node": w.node,
             "healthy": w.healthy,
             "draining": w.draining,
             "serving": w.serving,
@@ -101,10 +102,12 @@ def register_admin(api: FastAPI, services: Services) -> None:
             api_key = services.environ[env_name]
         if api_key is not None and not isinstance(api_key, str):
             raise _bad("'api_key' must be a string.")
+        node = body.get("node")
+        if node is not None and (not isinstance(node, str) or not node.isprintable() or len(node) > 128):
+            raise _bad("'node' must be a printable string (at most 128 characters).")
         if services.fleet.get(name) is not None:
             raise RouterError(409, f"A worker named '{name}' already exists.", "worker_exists")
-        added = services.fleet.add(WorkerSpec(spec.name, spec.url, api_key))
-        services.index.set_capacity(name, services.config.index.kv_capacity_tokens)
+        added = services.fleet.add(WorkerSpec(spec.name, spec.url, api_key, node))
         await services.fleet.check(added)  # usable at once if it is up, not after the next round
         return _json(201, info(added))
 
@@ -239,14 +242,21 @@ def _load(load: WorkerLoad) -> dict[str, Any]:
 
 
 def _priced(score: CandidateScore, default: CostModel) -> dict[str, Any]:
-    cost = score.load.cost
+    cost, reuse = score.load.cost, score.reuse
     return {
         **_load(score.load),
         # Which coefficients priced this candidate: its own learned ones, or the router's.
         "cost_source": "learned" if cost is not None else "configured",
         "cost_model": asdict(cost if cost is not None else default),
+        "node": score.load.node,
         "cached_tokens_gpu": score.gpu_tokens,
-        "cached_tokens_pool": score.pool_tokens,
+        # The reuse that priced it: tokens kept on its GPU and copied from each tier it
+        # reaches (its node's pool and disk, the remote tier), and the farthest of those.
+        "tier": reuse.tier,
+        "cached_tokens": reuse.tokens,
+        "cached_tokens_pool": reuse.pool,
+        "cached_tokens_disk": reuse.disk,
+        "cached_tokens_remote": reuse.remote,
         "predicted_prefill_s": score.prefill_s,
         "predicted_ttft_s": score.ttft_s,
         "score_s": score.score_s,

@@ -1,4 +1,4 @@
-"""Online calibration: each worker's cost model learned from what its answers show (issue 15).
+"""Online calibration: each worker's cost model learned from what its answers show.
 
 The router prices a request in seconds (`router/cost.py`); the coefficients behind those
 seconds depend on the GPU, the model and the engine, and differ between the workers of one
@@ -7,11 +7,12 @@ the worker's fixed per-request overhead + the prefill of the tokens it did not h
 copy of those it loaded from the pool + the steps its running requests lengthen, plus the
 queue it found. So per worker, a linear model
 
-    seconds = overhead + base·n + ctx·(end² − start²)/2 + pool·p + inflight·k
+    seconds = overhead + base·n + ctx·(end² − start²)/2 + pool·p + inflight·k + disk·d + remote·r
 
-(n = end − start new tokens, p pool-loaded tokens, k requests running at dispatch) is fitted
-by weighted least squares over sufficient statistics (XᵀWX, XᵀWy, 5×5: O(1) memory, O(25)
-per observation, no window to keep) with
+(n = end − start new tokens, p, d, r tokens copied from its node's pool, its node's disk and
+the remote tier, k requests running at dispatch) is fitted by weighted least squares over
+sufficient statistics (XᵀWX, XᵀWy, 7×7: O(1) memory, O(49) per observation, no window to
+keep; a tier no answer copied from keeps its prior) with
 
 * relative errors: rows are weighted by 1/ŷ², so a 1k prompt counts as much as a 30k one;
 * exponential forgetting (half-life in observations): a worker that slows down (thermal
@@ -52,12 +53,15 @@ from dataclasses import dataclass, replace
 
 from router.cost import CostModel
 
-COEFFS = ("overhead_s", "prefill_base_s", "prefill_ctx_s", "pool_load_s_per_token", "inflight_penalty_s")
+COEFFS = (
+    "overhead_s", "prefill_base_s", "prefill_ctx_s", "pool_load_s_per_token", "inflight_penalty_s",
+    "disk_load_s_per_token", "remote_load_s_per_token",
+)  # fmt: skip
 """The fitted coefficients, in feature order (CostModel field names)."""
 _N = len(COEFFS)
 OVERHEAD_SCALE_S = 5e-3
 """The unit of the overhead coefficient in the fit (its prior is 0, so it needs one)."""
-_MIN_SCALES = (OVERHEAD_SCALE_S, 1e-7, 1e-13, 1e-8, 1e-5)
+_MIN_SCALES = (OVERHEAD_SCALE_S, 1e-7, 1e-13, 1e-8, 1e-5, 1e-8, 1e-8)
 """Units for coefficients whose prior is 0 or tiny (the fit is conditioned in these)."""
 
 
@@ -72,17 +76,24 @@ class Observation:
     seconds: float
     """Dispatch to first byte, less the queue predicted at dispatch."""
     pool_tokens: int = 0
-    """Of the reused tokens, those copied from the shared pool."""
+    """Of the reused tokens, those copied from its node's CPU pool."""
     inflight: int = 0
     """Requests running on the worker when this one was sent."""
     at: float | None = None
     """When its first byte came (any monotonic clock, one per estimator): what a change of
     regime is dated by. Observations are fitted as their answers end, and a long answer
     ends long after its first byte. None: undated, taken as in order."""
+    disk_tokens: int = 0
+    """Of the reused tokens, those copied from its node's disk tier."""
+    remote_tokens: int = 0
+    """Of the reused tokens, those copied from the remote tier."""
 
     def features(self) -> tuple[float, ...]:
         n = max(self.end - self.start, 0)
-        return (1.0, float(n), (self.end * self.end - self.start * self.start) / 2.0, float(self.pool_tokens), float(self.inflight))
+        return (
+            1.0, float(n), (self.end * self.end - self.start * self.start) / 2.0, float(self.pool_tokens),
+            float(self.inflight), float(self.disk_tokens), float(self.remote_tokens),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -364,7 +375,7 @@ class Dispatch:
     predicted_cached: int
     """Prompt tokens the decision predicted reused (GPU or pool)."""
     gpu_tokens: int
-    """Of those, on the worker's GPU (the rest from the pool)."""
+    """Of those, on the worker's GPU (the rest copied from the tiers it reaches)."""
     queued_s: float
     """Prefill the load view showed queued on the worker."""
     inflight: int
@@ -372,6 +383,24 @@ class Dispatch:
     predicted_prefill_s: float
     predicted_ttft_s: float | None
     """The policy's predicted TTFT on this worker (None: the policy does not price)."""
+    disk_tokens: int = 0
+    """Of the predicted copies, those from its node's disk tier (the rest of the copies from
+    its node's pool, but `remote_tokens`)."""
+    remote_tokens: int = 0
+    """Of the predicted copies, those from the remote tier."""
+
+    def copies(self, reused: int) -> tuple[int, int, int]:
+        """(pool, disk, remote) tokens of `reused` (as the engine reported them) that were
+        copied: what it reused beyond the GPU's, split between the tiers as predicted (all
+        from the pool where no copy was predicted: its node's pool is where LMCache finds
+        most)."""
+        copied = max(reused - self.gpu_tokens, 0)
+        predicted = self.predicted_cached - self.gpu_tokens
+        if copied == 0 or predicted <= 0:
+            return copied, 0, 0
+        disk = round(copied * self.disk_tokens / predicted)
+        remote = min(round(copied * self.remote_tokens / predicted), copied - disk)
+        return copied - disk - remote, disk, remote
 
 
 PRIOR_CHECK_ANSWERS = 6
@@ -430,9 +459,10 @@ class Calibrator:
         seconds = first_byte_s - d.queued_s
         if seconds <= 0 or d.total_tokens <= 0:
             return None
+        pool, disk, remote = d.copies(start)
         obs = Observation(
-            start, d.total_tokens, seconds, max(start - d.gpu_tokens, 0), d.inflight,
-            None if sent_at is None else sent_at + first_byte_s,
+            start, d.total_tokens, seconds, pool, d.inflight, None if sent_at is None else sent_at + first_byte_s,
+            disk, remote,
         )
         e = self.estimator(d.worker)
         e.add(obs)

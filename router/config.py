@@ -47,6 +47,10 @@ class RouterConfig:
     workers: list[WorkerSpec] = field(default_factory=list)
     discover: list[str] = field(default_factory=list)
     """Discovery targets, e.g. dns://HEADLESS_SERVICE:PORT (router/discovery.py)."""
+    nodes: dict[str, str] = field(default_factory=dict)
+    """Worker name -> the node it runs on (`--node NODE=W1,W2`), for workers whose spec
+    (YAML `workers: [{name, url, node}]`, Kubernetes discovery) names none. A worker on no
+    node is on the default one: a fleet given no nodes is one node."""
     server: ServerSettings = field(default_factory=ServerSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     index: IndexSettings = field(default_factory=IndexSettings)

@@ -50,15 +50,21 @@ def _prefixed(section: str, prefix: str, *names: str) -> dict[str, Slot]:
 FLAT_KEYS: dict[str, Slot] = {
     "workers": (None, "workers"),
     "discover": (None, "discover"),
+    "nodes": (None, "nodes"),
     **_same("routing", "policy"),
     **_same("server", "host", "port", "processes", "log_level"),
     "redis": ("redis", "url"),
     **_prefixed("redis", "redis_", "prefix", "ttl_s", "lookup_budget_ms"),
-    **_same("index", "kv_capacity_tokens", "pool_capacity_tokens", "responses_owner_ttl_s"),
+    **_same(
+        "index", "kv_capacity_tokens", "pool_capacity_tokens", "disk_capacity_tokens", "remote_capacity_tokens",
+        "remote_write_through", "responses_owner_ttl_s",
+    ),
     **_same("routing", "load_factor", "recent_half_life_s", "random_seed"),
     **_prefixed(
         "cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms", "learning",
+        "disk_load_us", "remote_load_us",
     ),
+    **_same("cost", "kv_bytes_per_token", "disk_gbytes_s", "remote_gbps"),
     "normalize_tool_schemas": ("normalize", "tool_schemas"),
     "normalize_tool_arguments": ("normalize", "tool_call_arguments"),
     "normalize_system_prompt": ("normalize", "system_prompt"),
@@ -88,7 +94,10 @@ FLAT_KEYS: dict[str, Slot] = {
 NO_FLAG = frozenset({"tenant_salt_secret"})
 """Secrets set only by environment or YAML (a flag would show them in ps)."""
 
-LIST_FLAGS = {"workers": "--worker", "discover": "--discover", "api_keys": "--api-keys", "kv_events": "--kv-events"}
+LIST_FLAGS = {
+    "workers": "--worker", "discover": "--discover", "nodes": "--node", "api_keys": "--api-keys",
+    "kv_events": "--kv-events",
+}  # fmt: skip
 """Repeatable flags, named in the singular where they take one item."""
 
 ALIASES = {"tenants_file": "--tenants"}
@@ -105,7 +114,22 @@ HELP = {
     "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",
     "redis_ttl_s": "Redis index entries unused for this many seconds expire",
     "redis_lookup_budget_ms": "longest a lookup waits for Redis before routing on the local view",
-    "pool_capacity_tokens": "the workers share an LMCache CPU pool of this many tokens (0: no pool)",
+    "nodes": "the workers on one node, NODE=W1,W2,... (repeatable; env KVROUTE_NODES ;-separated): each node's "
+    "workers share its LMCache pool and disk tier; workers on no node share the default one",
+    "pool_capacity_tokens": "each node's workers share an LMCache CPU pool of this many tokens (0: no pool)",
+    "disk_capacity_tokens": "each node's LMCache server keeps a disk tier of this many tokens (0: none)",
+    "remote_capacity_tokens": "a remote tier every node reads over the network (LMCache's remote backend) "
+    "of this many tokens (0: none)",
+    "remote_write_through": "workers write what they compute to the remote tier too (LMCache's default; "
+    "--no-remote-write-through: only KV events say what it holds)",
+    "kv_bytes_per_token": "KV bytes of one token (all layers, K and V), to price the disk and remote tiers "
+    "from their bandwidths (default: Llama-3-8B in bf16, 131072)",
+    "disk_gbytes_s": "read bandwidth of a node's disk tier in GB/s (default 7: a PCIe 4.0 NVMe drive)",
+    "remote_gbps": "network bandwidth to the remote tier in Gb/s (default 100)",
+    "cost_disk_load_us": "µs to load a token's KV from the node's disk tier (default: from --kv-bytes-per-token "
+    "and --disk-gbytes-s, plus the pool's copy)",
+    "cost_remote_load_us": "µs to load a token's KV from the remote tier (default: from --kv-bytes-per-token "
+    "and --remote-gbps, plus the pool's copy)",
     "kv_capacity_tokens": "KV capacity of each worker in tokens, for the LRU capacity model",
     "responses_owner_ttl_s": "how long the router remembers which worker stores a /v1/responses response "
     "(previous_response_id and GET/DELETE /v1/responses/{id} go there)",
@@ -146,8 +170,9 @@ HELP = {
     "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }
 
+TOP_LEVEL = ("workers", "discover", "nodes")
 SECTIONS: dict[str, type] = {
-    f.name: f.default_factory for f in dataclasses.fields(RouterConfig) if f.name not in ("workers", "discover")  # type: ignore[misc]
+    f.name: f.default_factory for f in dataclasses.fields(RouterConfig) if f.name not in TOP_LEVEL  # type: ignore[misc]
 }
 """Section name -> its dataclass (each defined beside the component that takes it)."""
 
@@ -208,6 +233,8 @@ def _coerce(slot: Slot, value: Any, env: Mapping[str, str]) -> Any:
         return [_worker(v, env) for v in _items(value, ",") if v]
     if name == "discover":
         return [v for v in _items(value, ",") if v]
+    if name == "nodes":
+        return _nodes(value)
     if name == "api_keys":
         items = [value] if isinstance(value, str) else list(value)
         return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
@@ -231,8 +258,32 @@ def _worker(value: Any, env: Mapping[str, str]) -> WorkerSpec:
         api_key = value.get("api_key")
         if value.get("api_key_env"):
             api_key = env.get(value["api_key_env"])
-        return dataclasses.replace(spec, api_key=api_key)
+        node = value.get("node")
+        return dataclasses.replace(spec, api_key=api_key, node=None if node is None else str(node))
     return parse_worker_arg(str(value))
+
+
+def _nodes(value: Any) -> dict[str, str]:
+    """Worker -> node from `NODE=W1,W2` items (flags; the variable ;-separated) or a YAML
+    mapping `{NODE: [W1, W2]}` (or `{NODE: "W1,W2"}`)."""
+    if isinstance(value, dict):
+        groups = [(str(node), _items(names, ",")) for node, names in value.items()]
+    else:
+        groups = []
+        for item in _items(value, ";"):
+            node, sep, names = str(item).partition("=")
+            if not sep or not node.strip():
+                raise ValueError(f"expected NODE=W1,W2,...: {item!r}")
+            groups.append((node.strip(), names.split(",")))
+    out: dict[str, str] = {}
+    for node, names in groups:
+        for name in (str(n).strip() for n in names):
+            if not name:
+                continue
+            if out.get(name, node) != node:
+                raise ValueError(f"worker {name!r} is on two nodes: {out[name]!r} and {node!r}")
+            out[name] = node
+    return out
 
 
 def _from_yaml(path: str) -> dict[Slot, Any]:
@@ -341,6 +392,7 @@ def config_from_json(raw: str) -> RouterConfig:
     return RouterConfig(
         workers=[WorkerSpec(**w) for w in data.pop("workers")],
         discover=list(data.pop("discover")),
+        nodes=dict(data.pop("nodes")),
         **{name: SECTIONS[name](**fields) for name, fields in data.items()},
     )
 

@@ -11,19 +11,25 @@ Llama-3-8B-shaped layers, 32 layers):
   tokens start..end with start already cached costs base·(end-start) + ctx·(end²-start²)/2.
 * a pool hit is charged the host→device copy instead: 128 KiB of K and V per token
   (32 layers · 8 KV heads · 128 dims · 2 · bf16) over 55 GB/s pinned ≈ 2.4 µs/token.
+* the slower tiers (`cache_client/tiers.py`) are charged their read into host memory, then
+  that copy: from a node's NVMe disk at 7 GB/s, 18.7 + 2.4 ≈ 21.1 µs/token (about a
+  zero-context token's prefill: a disk copy pays only for long contexts on this model, and
+  far more on larger ones); from the remote tier at 100 Gb/s, 10.5 + 2.4 ≈ 12.9 µs/token.
+  A tier a worker cannot reach (another node's pool or disk) is not offered to it: its
+  tokens are a recompute there.
 
 Queued prefill is tracked separately (`WorkerLoad.queued_prefill_s`); the in-flight penalty
 only covers the batch steps that running decodes lengthen.
 
 Another model is described with the same five numbers (`--cost-*` flags). Those are priors:
 unless `--cost-learning off`, each worker's coefficients are learned online from its answers
-(`router/calibration.py`, issue 15), except the ones set explicitly by flag, which stand.
+(`router/calibration.py`), except the ones set explicitly by flag, which stand.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from router.routing import WorkerLoad
@@ -31,9 +37,19 @@ if TYPE_CHECKING:
 
 DEFAULTS = {"prefill_base_us": 20.3, "prefill_ctx_ns": 1.01, "pool_load_us": 2.4, "inflight_penalty_ms": 0.3, "step_ms": 15.0}
 """The `--cost-*` defaults (the H200 Llama-3-8B calibration above)."""
+KV_BYTES_PER_TOKEN = 131_072
+"""K and V of one token of Llama-3-8B in bf16: 32 layers · 8 KV heads · 128 dims · 2 · 2 bytes."""
+DISK_GBYTES_S = 7.0
+"""Read bandwidth of a node's disk tier: one PCIe 4.0 x4 NVMe drive's rated sequential read
+(Samsung PM1733 / PM9A3 data sheets: 6.8–7.0 GB/s), the kind of drive in an 8×H100 node."""
+REMOTE_GBPS = 100.0
+"""Bandwidth to the remote tier: one 100 Gb/s Ethernet or RoCE NIC (ConnectX-6 Dx), the
+front-end network of a rented GPU node (its GPU fabric is not where LMCache's remote
+backends live)."""
 _SETTING_OF = {
     "prefill_base_s": "prefill_base_us", "prefill_ctx_s": "prefill_ctx_ns", "pool_load_s_per_token": "pool_load_us",
-    "inflight_penalty_s": "inflight_penalty_ms", "step_s": "step_ms",
+    "inflight_penalty_s": "inflight_penalty_ms", "step_s": "step_ms", "disk_load_s_per_token": "disk_load_us",
+    "remote_load_s_per_token": "remote_load_us",
 }  # fmt: skip
 """CostModel field -> the setting that gives it."""
 
@@ -49,16 +65,39 @@ class CostSettings:
     pool_load_us: float | None = None
     inflight_penalty_ms: float | None = None
     step_ms: float | None = None
+    disk_load_us: float | None = None
+    """Seconds (µs) to load a token's KV from the node's disk tier; None: a token's KV bytes
+    at the disk's read bandwidth, then its copy to the GPU as from the pool."""
+    remote_load_us: float | None = None
+    """µs to load a token's KV from the remote tier; None: its KV bytes at the network's
+    bandwidth, then its copy to the GPU as from the pool."""
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+    disk_gbytes_s: float | None = None
+    """The disk tier's read bandwidth, GB/s (default `DISK_GBYTES_S`)."""
+    remote_gbps: float | None = None
+    """The network's bandwidth to the remote tier, Gb/s (default `REMOTE_GBPS`)."""
     learning: str = "on"
     """on: learn each worker's coefficients online (router/calibration.py); off: fixed costs."""
 
     def __post_init__(self) -> None:
         if self.learning not in ("on", "off"):
             raise ValueError(f"cost learning must be on or off, not {self.learning!r}")
+        for name in ("disk_gbytes_s", "remote_gbps"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, not {value}")
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be positive, not {self.kv_bytes_per_token}")
 
     def value(self, name: str) -> float:
         v = getattr(self, name)
-        return DEFAULTS[name] if v is None else v
+        if v is not None:
+            return v
+        if name == "disk_load_us":  # read from disk into host memory, then the pool's copy
+            return self.kv_bytes_per_token / ((self.disk_gbytes_s or DISK_GBYTES_S) * 1e3) + self.value("pool_load_us")
+        if name == "remote_load_us":  # over the network into host memory, then the pool's copy
+            return self.kv_bytes_per_token * 8 / ((self.remote_gbps or REMOTE_GBPS) * 1e3) + self.value("pool_load_us")
+        return DEFAULTS[name]
 
     def model(self) -> CostModel:
         return CostModel(
@@ -67,11 +106,66 @@ class CostSettings:
             pool_load_s_per_token=self.value("pool_load_us") * 1e-6,
             inflight_penalty_s=self.value("inflight_penalty_ms") * 1e-3,
             step_s=self.value("step_ms") * 1e-3,
+            disk_load_s_per_token=self.value("disk_load_us") * 1e-6,
+            remote_load_s_per_token=self.value("remote_load_us") * 1e-6,
         )
 
     def fixed(self) -> frozenset[str]:
-        """CostModel fields set explicitly: learning leaves them alone."""
-        return frozenset(f for f, setting in _SETTING_OF.items() if getattr(self, setting) is not None)
+        """CostModel fields set explicitly (a tier's bandwidth given sets its load cost):
+        learning leaves them alone."""
+        given = {f for f, setting in _SETTING_OF.items() if getattr(self, setting) is not None}
+        if self.disk_gbytes_s is not None:
+            given.add("disk_load_s_per_token")
+        if self.remote_gbps is not None:
+            given.add("remote_load_s_per_token")
+        return frozenset(given)
+
+
+class Held(NamedTuple):
+    """How many leading tokens of a prompt each tier a candidate can reach holds."""
+
+    gpu: int = 0
+    """On its own GPU."""
+    pool: int = 0
+    """In its node's CPU pool."""
+    disk: int = 0
+    """On its node's disk tier."""
+    remote: int = 0
+    """In the remote tier."""
+
+
+class Reuse(NamedTuple):
+    """How a candidate gets the cached part of a prompt: tokens it already has on its GPU,
+    then tokens copied from each tier (in the prompt's order: each copied run continues
+    where the previous one ends)."""
+
+    gpu: int = 0
+    pool: int = 0
+    disk: int = 0
+    remote: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens not recomputed."""
+        return self.gpu + self.pool + self.disk + self.remote
+
+    @property
+    def copied(self) -> int:
+        return self.pool + self.disk + self.remote
+
+    @property
+    def tier(self) -> str:
+        """The farthest tier it loads from: `remote`, `disk`, `pool`, `gpu`, or `none`."""
+        if self.remote:
+            return "remote"
+        if self.disk:
+            return "disk"
+        if self.pool:
+            return "pool"
+        return "gpu" if self.gpu else "none"
+
+
+NO_REUSE = Reuse()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +188,11 @@ class CostModel:
     so cache-aware routing only moves a conversation off the worker holding most of its
     prefix for a predicted gain of more than one step."""
 
+    disk_load_s_per_token: float = 21.1e-6
+    """Seconds to load one token's KV from the node's disk tier (`CostSettings.value`)."""
+    remote_load_s_per_token: float = 12.9e-6
+    """Seconds to load one token's KV from the remote tier (`CostSettings.value`)."""
+
     overhead_s: float = 0.0
     """Fixed seconds per request before its first token beyond its prefill (tokenization,
     scheduling, the step in progress): 0 by default, learned per worker (a slower worker's
@@ -108,18 +207,41 @@ class CostModel:
     def pool_load_s(self, tokens: int) -> float:
         return self.pool_load_s_per_token * max(tokens, 0)
 
-    def predicted_ttft_s(
-        self, load: WorkerLoad, gpu_tokens: int, pool_tokens: int, total_tokens: int
-    ) -> tuple[float, float]:
-        """(prefill seconds, time to first token) of a prompt of total_tokens on a worker at
-        `load` whose GPU holds the prompt's first gpu_tokens, with its first pool_tokens in
-        the shared pool. The longer of the two is reused, and what the pool holds beyond
-        the GPU is charged its copy instead of its prefill; the TTFT adds the prefill
-        already queued on the worker, the batch steps its running requests lengthen, and
-        how far behind these predictions the worker's queue is running (`lag_s`)."""
-        prefill = (
-            self.overhead_s
-            + self.pool_load_s(pool_tokens - gpu_tokens)
-            + self.prefill_s(max(gpu_tokens, pool_tokens), total_tokens)
+    def reuse(self, held: Held, total_tokens: int) -> tuple[Reuse, float]:
+        """The cheapest way to a prompt's KV from what a candidate holds: keep what its GPU
+        has, then copy runs from the tiers it reaches (each run from the cheapest tier
+        holding it) up to the point where recomputing the rest is cheaper. Returns the
+        plan and its seconds (copies plus the prefill of the rest). A copy is a prefix
+        (the engine computes only after what it loaded), and a token copied late in the
+        prompt saves more prefill than one early (attention's cost grows with context), so
+        every end of a held run is tried as the point where loading stops."""
+        gpu = min(held.gpu, total_tokens)
+        best, best_s = Reuse(gpu), self.prefill_s(gpu, total_tokens)
+        if held.pool <= gpu and held.disk <= gpu and held.remote <= gpu:
+            return best, best_s
+        tiers = (
+            (held.pool, self.pool_load_s_per_token, 1),
+            (held.disk, self.disk_load_s_per_token, 2),
+            (held.remote, self.remote_load_s_per_token, 3),
         )
-        return prefill, load.queued_prefill_s + load.inflight * self.inflight_penalty_s + load.lag_s + prefill
+        counts = [gpu, 0, 0, 0]
+        at, load_s = gpu, 0.0
+        for end in sorted({min(t, total_tokens) for t, _, _ in tiers if t > gpu}):
+            rate, i = min((r, i) for t, r, i in tiers if t >= end)
+            load_s += rate * (end - at)
+            counts[i] += end - at
+            at = end
+            seconds = load_s + self.prefill_s(end, total_tokens)
+            if seconds < best_s:
+                best, best_s = Reuse(*counts), seconds
+        return best, best_s
+
+    def predicted_ttft_s(self, load: WorkerLoad, held: Held, total_tokens: int) -> tuple[float, float, Reuse]:
+        """(prefill seconds, time to first token, the reuse they assume) of a prompt of
+        total_tokens on a worker at `load` holding `held` of it. The prefill is the cheapest
+        plan of `reuse` plus the worker's fixed overhead; the TTFT adds the prefill already
+        queued on the worker, the batch steps its running requests lengthen, and how far
+        behind these predictions the worker's queue is running (`lag_s`)."""
+        plan, seconds = self.reuse(held, total_tokens)
+        prefill = self.overhead_s + seconds
+        return prefill, load.queued_prefill_s + load.inflight * self.inflight_penalty_s + load.lag_s + prefill, plan

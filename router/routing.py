@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cache_client.base import IndexView
+from cache_client.tiers import DEFAULT_NODE
 from normalizer.prefix import PrefixChain
-from router.cost import CostModel
+from router.cost import CostModel, Reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,8 @@ class WorkerLoad:
     """How far behind its prediction the oldest streamed request still awaiting its first
     token there is, now: queueing the cost model does not see (an engine whose KV is full
     admits a waiting request only as running ones finish), measured instead of modelled."""
+    node: str = DEFAULT_NODE
+    """The node it runs on: which pool and disk tier it can load from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,9 @@ class CandidateScore(NamedTuple):
     worker: str
     gpu_tokens: int
     """Prompt tokens held on its GPU."""
-    pool_tokens: int
-    """Prompt tokens loadable from the shared pool."""
+    reuse: Reuse
+    """How it would get the cached part: its GPU's, then copies from the tiers it reaches
+    (`CostModel.reuse`); `reuse.tier` names the farthest, the tier that priced it."""
     prefill_s: float
     """Predicted prefill seconds of this request on it (`CostModel.predicted_ttft_s`)."""
     ttft_s: float
@@ -79,9 +83,10 @@ class CandidateScore(NamedTuple):
 class RouteDecision:
     worker: str
     reason: str
-    """gpu_hit, pool_hit, miss, overload, session, random, round_robin, least_loaded."""
+    """gpu_hit, pool_hit, disk_hit, remote_hit, miss, overload, session, random,
+    round_robin, least_loaded."""
     cached_tokens: int = 0
-    """Prompt tokens predicted to be reused on the chosen worker (its GPU or the pool)."""
+    """Prompt tokens predicted to be reused on the chosen worker (its GPU or a tier)."""
     prefill_s: float = 0.0
     """Predicted prefill seconds of this request on the chosen worker."""
     ranking: tuple[str, ...] = ()

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 
 import httpx
 
-from cache_client.base import POOL, IndexObserver, PrefixIndex
+from cache_client.base import IndexObserver, PrefixIndex
 from cache_client.memory import MemoryIndex
 from cache_client.response_owners import MemoryResponseOwners, RedisResponseOwners, ResponseOwners
 from cache_client.served_ends import ServedEnds
+from cache_client.tiers import Tiers
 from router.auth import KeyCheck
 from router.breaker import OutlierDetector
 from router.calibration import Calibrator, cost_readers
@@ -42,7 +43,7 @@ from router.proxy.upstream import UpstreamClient
 from router.tenants.enforce import TenantLimiter
 from router.tenants.loader import TenantRegistry
 from router.tenants.salt import CacheSalter
-from router.workers import Fleet
+from router.workers import Fleet, Worker
 
 log = logging.getLogger("kvroute")
 
@@ -252,8 +253,17 @@ def build_services(
         if calibrator is not None:
             calibrator.forget(worker)
 
+    tiers = Tiers.of(config.index)
+
+    def place(worker: Worker) -> None:
+        # Capacity models of a joining worker's GPU and of the tiers its node brings.
+        index.set_capacity(worker.name, config.index.kv_capacity_tokens)
+        for location, tokens in tiers.capacities(worker.node):
+            index.set_capacity(location, tokens)
+
     fleet = config.health.fleet(
-        config.workers, client, on_down=index.drop_location, on_removed=forget, breaker=config.breaker
+        config.workers, client, on_down=index.drop_location, on_removed=forget, on_added=place,
+        breaker=config.breaker, nodes=config.nodes,
     )
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
@@ -269,7 +279,7 @@ def build_services(
         loads.ends = ends
     proxy = Proxy(
         config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission, ends=ends,
-        normalize=config.normalize, pool_enabled=config.index.pool_capacity_tokens > 0,
+        normalize=config.normalize, tiers=tiers,
         affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
         tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,
         limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
@@ -326,18 +336,11 @@ async def connect_shared(index: PrefixIndex, loads: LoadBoard) -> None:
 
 
 def _lifecycle(s: Services) -> list[Lifecycle]:
-    async def set_capacities() -> None:
-        for spec in s.config.workers:
-            s.index.set_capacity(spec.name, s.config.index.kv_capacity_tokens)
-        if s.config.index.pool_capacity_tokens > 0:
-            s.index.set_capacity(POOL, s.config.index.pool_capacity_tokens)
-
     async def close_index_and_client() -> None:
         await s.index.close()
         await s.health_client.aclose()
 
     async def open_index() -> None:
-        await set_capacities()
         await connect_shared(s.index, s.loads)
 
     stages: list[Lifecycle] = [Stage("index", open_index, close_index_and_client)]

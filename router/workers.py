@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
 import orjson
 
 from cache_client.redact import exc_summary
+from cache_client.tiers import DEFAULT_NODE
 from router.aio import cancel_and_wait
 from router.breaker import BreakerSettings, CircuitBreaker
 
@@ -28,6 +29,9 @@ class WorkerSpec:
     url: str
     api_key: str | None = None
     """Credential sent to this worker (`Authorization: Bearer`), never the client's."""
+    node: str | None = None
+    """The node it runs on (its LMCache server's); None: as `--node` places it, else the
+    default node."""
 
 
 @dataclass(slots=True)
@@ -35,6 +39,8 @@ class Worker:
     name: str
     url: str
     api_key: str | None = None
+    node: str = DEFAULT_NODE
+    """The node it runs on: the pool and disk tier it can load from (cache_client/tiers.py)."""
     healthy: bool = False
     draining: bool = False
     models: frozenset[str] = frozenset()
@@ -97,11 +103,14 @@ class HealthSettings:
         *,
         on_down: Callable[[str], Awaitable[None]] | None = None,
         on_removed: Callable[[str], None] | None = None,
+        on_added: Callable[[Worker], None] | None = None,
         breaker: BreakerSettings | None = None,
+        nodes: Mapping[str, str] | None = None,
     ) -> Fleet:
         return Fleet(
             specs, client, health_interval_s=self.interval_s, unhealthy_after=self.unhealthy_after,
-            scrape_metrics=self.scrape_metrics, on_down=on_down, on_removed=on_removed, breaker=breaker,
+            scrape_metrics=self.scrape_metrics, on_down=on_down, on_removed=on_removed, on_added=on_added,
+            breaker=breaker, nodes=nodes,
         )
 
 
@@ -117,11 +126,15 @@ class Fleet:
         scrape_metrics: bool = False,
         on_down: Callable[[str], Awaitable[None]] | None = None,
         on_removed: Callable[[str], None] | None = None,
+        on_added: Callable[[Worker], None] | None = None,
         breaker: BreakerSettings | None = None,
+        nodes: Mapping[str, str] | None = None,
     ) -> None:
         """`on_down(name)`: a worker went down or was removed (its index entries go).
         `on_removed(name)`: it was removed for good (what the router learnt of it goes too:
-        its load counts and learned costs, which a worker only down keeps)."""
+        its load counts and learned costs, which a worker only down keeps). `on_added(worker)`:
+        it joined (static, discovered or added by an operator). `nodes`: worker name -> node,
+        for workers whose spec names none (`--node`)."""
         self._client = client
         self.breaker_settings = breaker or BreakerSettings()
         self._workers: dict[str, Worker] = {}
@@ -131,6 +144,8 @@ class Fleet:
         self.scrape_metrics = scrape_metrics
         self._on_down = on_down
         self._on_removed = on_removed
+        self._on_added = on_added
+        self._nodes: Mapping[str, str] = nodes or {}
         self._task: asyncio.Task | None = None
         self._checking: dict[str, asyncio.Task] = {}
         """Health checks in flight, by worker: at most one each."""
@@ -141,9 +156,12 @@ class Fleet:
     def add(self, spec: WorkerSpec) -> Worker:
         if spec.name in self._workers:
             raise ValueError(f"worker {spec.name!r} already exists")
-        worker = Worker(spec.name, spec.url, spec.api_key)
+        node = spec.node if spec.node is not None else self._nodes.get(spec.name, DEFAULT_NODE)
+        worker = Worker(spec.name, spec.url, spec.api_key, node)
         worker.breaker = CircuitBreaker(self.breaker_settings, spec.name)
         self._workers[spec.name] = worker
+        if self._on_added is not None:
+            self._on_added(worker)
         return worker
 
     async def remove(self, name: str) -> bool:

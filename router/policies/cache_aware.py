@@ -83,8 +83,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from cache_client.base import POOL, IndexView
-from router.cost import CostModel
+from cache_client.base import IndexView
+from cache_client.tiers import REMOTE, disk_location, pool_location
+from normalizer.prefix import PrefixChain
+from router.cost import CostModel, Held
 from router.policies.bounded import DEFAULT_LOAD_FACTOR, within_bounds
 from router.routing import CandidateScore, RouteDecision, RouteRequest, WorkerLoad
 
@@ -105,7 +107,6 @@ class CacheAwarePolicy:
     ) -> RouteDecision:
         chain = request.chain
         total = chain.total_tokens
-        pool = chain.tokens_at_depth(view.depth(POOL))
         if chain.reply_depth:
             homes = {w.name for w in loads if view.depth(w.name) >= chain.reply_depth}
         else:  # no reply names the previous turn: a prompt the router sent may
@@ -113,18 +114,20 @@ class CacheAwarePolicy:
         eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
+        held_of = _held(chain, view, loads, gpu_of)
         most_cached = max(gpu_of.values())
-        # What only one worker holds: a conversation's own turns. A prefix on two or more
-        # workers (or in the pool) is shared and replicated already; spreading it further is
-        # the bounded loads' job, and a copy made of it stays in use.
-        replicated = max(sorted(gpu_of.values())[-2] if len(gpu_of) > 1 else 0, pool)
+        # What only one worker's GPU holds: a conversation's own turns. A prefix on two or
+        # more GPUs is shared and replicated already (spreading it further is the bounded
+        # loads' job, and a copy made of it stays in use); one a candidate can copy from a
+        # tier it reaches is no recompute there.
+        second_gpu = sorted(gpu_of.values())[-2] if len(gpu_of) > 1 else 0
         weight = recompute_weight(loads, cost.step_s)
         scores: list[CandidateScore] = []
         for w in loads:
             gpu = gpu_of[w.name]
             # The worker's own learned costs where there are some (a slower GPU prices higher).
             w_cost = w.cost or cost
-            prefill, ttft = w_cost.predicted_ttft_s(w, gpu, pool, total)
+            prefill, ttft, reuse = w_cost.predicted_ttft_s(w, held_of[w.name], total)
             # What the placement costs the others: its prefill delays the requests that will
             # queue behind it there, about as many as queue there now (Little's law), and
             # what it recomputes of a prefix one other worker holds delays later arrivals.
@@ -132,30 +135,48 @@ class CacheAwarePolicy:
             score = (
                 ttft
                 + prefill * w.prefilling
-                + weight * w_cost.prefill_s(max(gpu, replicated), most_cached)
+                + weight * w_cost.prefill_s(max(reuse.tokens, second_gpu), most_cached)
                 + (cost.step_s if gpu < most_cached else 0.0)
             )
-            scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, pool, prefill, ttft, w.name in eligible, w)))
+            scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, reuse, prefill, ttft, w.name in eligible, w)))
         scores.sort()  # best first (see CandidateScore)
 
-        chosen = own_time_guarded(next(s for s in scores if s.within_bound), scores, pool, cost.step_s)
-        gpu, reuse = chosen.gpu_tokens, max(chosen.gpu_tokens, pool)
-        # Passing over the worker that holds more of the prefix is a choice made for load
+        chosen = own_time_guarded(next(s for s in scores if s.within_bound), scores, cost.step_s)
+        reuse = chosen.reuse
+        # Passing over a worker that reuses more of the prefix is a choice made for load
         # (its bound, or a queue longer than the recompute), not an index that knew nothing:
         # the reason says which, for operators reading misses as lost prefixes.
-        if most_cached > reuse:
+        if max(s.reuse.tokens for s in scores) > reuse.tokens:
             reason = "overload"
-        elif gpu > 0 and gpu >= pool:
-            reason = "gpu_hit"
-        elif pool > gpu:
-            reason = "pool_hit"
         else:
-            reason = "miss"
+            reason = _HIT_REASON[reuse.tier]
         others = [s for s in scores if s is not chosen]
         ranking = tuple(s.worker for s in others if s.within_bound) + tuple(s.worker for s in others if not s.within_bound)
         return RouteDecision(
-            chosen.worker, reason, cached_tokens=reuse, prefill_s=chosen.prefill_s, ranking=ranking, scores=tuple(scores)
+            chosen.worker, reason, cached_tokens=reuse.tokens, prefill_s=chosen.prefill_s, ranking=ranking,
+            scores=tuple(scores),
         )
+
+
+_HIT_REASON = {"none": "miss", "gpu": "gpu_hit", "pool": "pool_hit", "disk": "disk_hit", "remote": "remote_hit"}
+"""The route reason of a choice reusing as much as any candidate could, by its farthest tier."""
+
+
+def _held(chain: PrefixChain, view: IndexView, loads: Sequence[WorkerLoad], gpu_of: dict[str, int]) -> dict[str, Held]:
+    """What each candidate can reach of the prompt: its GPU's, and its node's pool and disk
+    and the remote tier's (another node's pool or disk is out of its reach)."""
+    remote = chain.tokens_at_depth(view.depth(REMOTE))
+    by_node: dict[str, tuple[int, int]] = {}
+    held = {}
+    for w in loads:
+        tiers = by_node.get(w.node)
+        if tiers is None:
+            tiers = by_node[w.node] = (
+                chain.tokens_at_depth(view.depth(pool_location(w.node))),
+                chain.tokens_at_depth(view.depth(disk_location(w.node))),
+            )
+        held[w.name] = Held(gpu_of[w.name], tiers[0], tiers[1], remote)
+    return held
 
 
 SLOWER_WORKER_SLACK = 0.25
@@ -164,9 +185,7 @@ request may be made to wait on a slower one for the sake of others: a quarter (a
 least one engine step)."""
 
 
-def own_time_guarded(
-    chosen: CandidateScore, scores: Sequence[CandidateScore], pool: int, step_s: float
-) -> CandidateScore:
+def own_time_guarded(chosen: CandidateScore, scores: Sequence[CandidateScore], step_s: float) -> CandidateScore:
     """`chosen`, unless a faster worker reusing as much of the prompt would answer it sooner.
 
     The charges for others (the Little's-law delay, the recompute weight) and the caps
@@ -182,9 +201,9 @@ def own_time_guarded(
     and moving a request to a worker holding more of it stays the caps' and the
     hysteresis' call (they spread hot prefixes).
     """
-    reuse = max(chosen.gpu_tokens, pool)
+    reuse = chosen.reuse.tokens
     limit = chosen.prefill_s / (1 + SLOWER_WORKER_SLACK)
-    faster = [s for s in scores if s.prefill_s < limit and max(s.gpu_tokens, pool) == reuse]
+    faster = [s for s in scores if s.prefill_s < limit and s.reuse.tokens == reuse]
     if not faster:
         return chosen
     quickest = min(faster, key=lambda s: s.ttft_s)

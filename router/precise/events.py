@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from cache_client.redact import exc_summary
+from cache_client.tiers import DEFAULT_NODE, pool_location
 from normalizer.vllm_hash import DEFAULT_NONE_HASH_SEED, BlockHasher
 from router.aio import cancel_and_wait
 from router.precise.chain import PreciseChainBuilder
@@ -157,7 +158,7 @@ class PreciseMode(PreciseChainBuilder):
         self._fleet = fleet
         self._index = index
         self._client = httpx.AsyncClient(trust_env=False, follow_redirects=False)
-        self.ingestor = KvEventIngestor(index, hasher=self.hasher, cpu_medium=self._cpu_medium)
+        self.ingestor = KvEventIngestor(index, hasher=self.hasher, cpu_medium=self._cpu_medium, pool_of=self._pool_of)
         self.ingestor.salts = salts
         if follow is not None:
             self.ingestor.follow(*follow)
@@ -165,6 +166,11 @@ class PreciseMode(PreciseChainBuilder):
         await self._refresh()
         await self.ingestor.start()
         self._task = asyncio.create_task(self._loop(), name="kvroute-precise-refresh")
+
+    def _pool_of(self, worker: str) -> str:
+        """The pool a worker's LMCache publishes CPU events for: its node's."""
+        w = self._fleet.get(worker) if self._fleet is not None else None
+        return pool_location(w.node if w is not None else DEFAULT_NODE)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

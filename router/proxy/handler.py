@@ -26,10 +26,11 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from cache_client.base import EMPTY_VIEW, POOL, PrefixIndex, key_tokens_of
+from cache_client.base import EMPTY_VIEW, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
 from cache_client.response_owners import MemoryResponseOwners
 from cache_client.served_ends import ServedEnds
+from cache_client.tiers import Tiers
 from normalizer.canonical import NormalizeOptions
 from normalizer.prefix import PrefixChain
 from router.auth import presented_key
@@ -118,7 +119,7 @@ class Proxy:
         admission: Admission | None = None,
         *,
         normalize: NormalizeOptions | None = None,
-        pool_enabled: bool = False,
+        tiers: Tiers | None = None,
         affinity: ResponsesAffinity | None = None,
         ends: ServedEnds | None = None,
         tenants: TenantLookup | None = None,
@@ -140,8 +141,9 @@ class Proxy:
         self.salter = salter
         """With tenants: the `cache_salt` of each request's cache scope (router/tenants/salt.py)."""
         self.normalize = normalize if normalize is not None else NormalizeOptions()
-        self.pool_enabled = pool_enabled
-        """Workers share an LMCache pool: every routed prefix is also recorded on the pool."""
+        self.tiers = tiers if tiers is not None else Tiers()
+        """The tiers besides the GPUs (pools, disks, remote): where a routed prefix is also
+        recorded."""
         self.admission: Admission = admission if admission is not None else NoAdmission()
         """Per-worker in-flight limits and the wait queue (NoAdmission: no limits)."""
         if self.admission.activity is not None:
@@ -277,6 +279,8 @@ class Proxy:
                 replace(load, engine_waiting=int(w.metrics.get("vllm:num_requests_waiting", 0)))
                 for load, w in zip(loads, candidates, strict=True)
             ]
+        if any(w.node for w in candidates):  # workers on named nodes: which tiers each reaches
+            loads = [replace(load, node=w.node) for load, w in zip(loads, candidates, strict=True)]
         if kind is None:
             decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
         else:
@@ -490,7 +494,7 @@ class Proxy:
                     if self.ends is not None:
                         self.ends.record(name, chain)
                     if self.chains.records_on_route:
-                        await self._record(name, chain)
+                        await self._record(worker, chain)
                         ex.recorded = True
                 await attempt.run(ex)
                 return "answered"
@@ -531,11 +535,12 @@ class Proxy:
         admission = self.admission
         return any(w.serving and admission.room_for(w.name, self.loads.inflight(w.name), flow) for w in self.fleet)
 
-    async def _record(self, worker: str, chain: PrefixChain) -> None:
+    async def _record(self, worker: Worker, chain: PrefixChain) -> None:
+        """The prompt is now on `worker`'s GPU and, once its LMCache stores it, in the
+        tiers it writes to (its node's pool and disk, the remote tier)."""
         key_tokens = key_tokens_of(chain.cum_tokens)
-        await self.index.record(worker, chain.keys, key_tokens)
-        if self.pool_enabled:
-            await self.index.record(POOL, chain.keys, key_tokens)
+        for location in self.tiers.written(worker.name, worker.node):
+            await self.index.record(location, chain.keys, key_tokens)
 
     async def start(self) -> None:
         # Built here, in the serving loop: aiohttp's session binds the loop it is made in.
@@ -596,7 +601,7 @@ def _dispatch_of(choice: Routed, worker: str) -> Dispatch | None:
     return Dispatch(
         worker, choice.chain.total_tokens, decision.cached_tokens, score.gpu_tokens if score else decision.cached_tokens,
         load.queued_prefill_s, load.inflight, load.engine_waiting, decision.prefill_s,
-        score.ttft_s if score else None,
+        score.ttft_s if score else None, score.reuse.disk if score else 0, score.reuse.remote if score else 0,
     )  # fmt: skip
 
 

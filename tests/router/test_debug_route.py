@@ -75,7 +75,8 @@ async def test_debug_route_reports_the_numbers_the_policy_ranked_by() -> None:
     assert [row["worker"] for row in why["candidates"]] == [s.worker for s in decision.scores]
     for row, score in zip(why["candidates"], decision.scores, strict=True):
         assert row["cached_tokens_gpu"] == score.gpu_tokens
-        assert row["cached_tokens_pool"] == score.pool_tokens
+        assert row["cached_tokens_pool"] == score.reuse.pool
+        assert (row["tier"], row["cached_tokens"]) == (score.reuse.tier, score.reuse.tokens)
         assert row["predicted_prefill_s"] == score.prefill_s
         assert row["predicted_ttft_s"] == score.ttft_s
         assert row["queued_prefill_s"] == score.load.queued_prefill_s

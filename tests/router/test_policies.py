@@ -8,7 +8,7 @@ import pytest
 
 from cache_client import POOL, IndexView
 from normalizer import chat_segments, prefix_chain
-from router.cost import CostModel
+from router.cost import CostModel, Held
 from router.policies import POLICIES, make_policy
 from router.policies.bounded import within_bounds
 from router.policies.cache_aware import recompute_weight
@@ -104,8 +104,9 @@ def test_cache_aware_decision_carries_the_prices_it_ranked_by() -> None:
     eligible = {w.name for w in within_bounds(candidates)}
     for s, load in ((s, next(w for w in candidates if w.name == s.worker)) for s in d.scores):
         gpu, pool = c.tokens_at_depth(view.depth(load.name)), c.tokens_at_depth(view.depth(POOL))
-        assert (s.gpu_tokens, s.pool_tokens, s.load, s.within_bound) == (gpu, pool, load, load.name in eligible)
-        assert (s.prefill_s, s.ttft_s) == COST.predicted_ttft_s(load, gpu, pool, c.total_tokens)
+        assert (s.gpu_tokens, s.load, s.within_bound) == (gpu, load, load.name in eligible)
+        assert (s.prefill_s, s.ttft_s, s.reuse) == COST.predicted_ttft_s(load, Held(gpu, pool), c.total_tokens)
+        assert s.reuse.tokens == max(gpu, pool)  # a pool copy is always cheaper than its prefill
         # The delay its prefill adds to the requests queued there, and the hysteresis: only
         # the worker holding most of the prefix is ranked without a step added. (No worker
         # has an engine step of prefill queued: recomputing is not charged; the test below.)
