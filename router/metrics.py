@@ -192,7 +192,13 @@ class RouterMetrics:
         self.prompt_tokens = r.counter("kvroute_prompt_tokens_total", "Estimated prompt tokens of routed requests.")
         self.predicted_cached = r.counter(
             "kvroute_predicted_cached_tokens_total",
-            "Prompt tokens the router predicted the chosen worker (or the pool) already held.",
+            "Prompt tokens the router predicted the chosen worker would reuse (its GPU's or copied from a tier).",
+        )
+        self.predicted_copied = r.counter(
+            "kvroute_predicted_copied_tokens_total",
+            "Of the predicted cached tokens, those predicted copied from a tier (its node's pool or disk, the "
+            "remote tier) rather than found on the worker's GPU.",
+            ("tier",),
         )
         self.retries = r.counter(
             "kvroute_retries_total", "Requests retried on another worker after a failure before the first byte."

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from cache_client.base import IndexView
 from cache_client.tiers import DEFAULT_NODE
 from normalizer.prefix import PrefixChain
-from router.cost import CostModel, Reuse
+from router.cost import NO_REUSE, CostModel, Reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +87,8 @@ class RouteDecision:
     round_robin, least_loaded."""
     cached_tokens: int = 0
     """Prompt tokens predicted to be reused on the chosen worker (its GPU or a tier)."""
+    reuse: Reuse = NO_REUSE
+    """How the chosen worker reuses them, by tier (policies that price candidates)."""
     prefill_s: float = 0.0
     """Predicted prefill seconds of this request on the chosen worker."""
     ranking: tuple[str, ...] = ()

@@ -153,8 +153,8 @@ class CacheAwarePolicy:
         others = [s for s in scores if s is not chosen]
         ranking = tuple(s.worker for s in others if s.within_bound) + tuple(s.worker for s in others if not s.within_bound)
         return RouteDecision(
-            chosen.worker, reason, cached_tokens=reuse.tokens, prefill_s=chosen.prefill_s, ranking=ranking,
-            scores=tuple(scores),
+            chosen.worker, reason, cached_tokens=reuse.tokens, reuse=reuse, prefill_s=chosen.prefill_s,
+            ranking=ranking, scores=tuple(scores),
         )
 
 

@@ -411,7 +411,13 @@ class Proxy:
         self.metrics.route_seconds.observe(time.perf_counter() - ex.arrived)
         if ex.kind is not None:
             self.metrics.prompt_tokens.inc(amount=choice.chain.total_tokens)
-            self.metrics.predicted_cached.inc(amount=choice.decision.cached_tokens)
+            decision = choice.decision
+            self.metrics.predicted_cached.inc(amount=decision.cached_tokens)
+            if decision.reuse.copied:
+                for tier, tokens in (("pool", decision.reuse.pool), ("disk", decision.reuse.disk),
+                                     ("remote", decision.reuse.remote)):
+                    if tokens:
+                        self.metrics.predicted_copied.inc(tier, amount=tokens)
             if self.metrics.tenants is not None:
                 self.metrics.tenants.prompt(ex.tenant, choice.chain.total_tokens)
 

@@ -20,6 +20,7 @@ from router.breaker import (
     OutlierDetector,
     OutlierSettings,
 )
+from router.cost import NO_REUSE
 from router.proxy.handler import _expected_first_token_s
 from router.routing import CandidateScore, Routed, RouteDecision, WorkerLoad
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
@@ -215,7 +216,7 @@ def test_only_answers_sent_to_a_worker_without_a_queue_are_timed() -> None:
     waiting in its engine), and not at all otherwise."""
     loads = (WorkerLoad("quiet"), WorkerLoad("queued", prefilling=1), WorkerLoad("engine", engine_waiting=2))
     scores = tuple(
-        CandidateScore(1.0, 0.0, w.name, 0, 0, 0.2, 0.3 + i, True, w) for i, w in enumerate(loads)
+        CandidateScore(1.0, 0.0, w.name, 0, NO_REUSE, 0.2, 0.3 + i, True, w) for i, w in enumerate(loads)
     )
     routed = Routed(RouteDecision("quiet", "miss", scores=scores), PrefixChain((), (), 0), EMPTY_VIEW, loads)
     assert _expected_first_token_s(routed, "quiet", stream=False)[0] == 0.3

@@ -7,6 +7,7 @@ import asyncio
 import orjson
 import pytest
 
+from router.cost import NO_REUSE
 from router.proxy.admission import Admission
 from router.proxy.fair import (
     Activity,
@@ -568,7 +569,7 @@ def test_no_dearer_names_the_workers_whose_prefill_costs_no_more_than_the_wait()
 
     def score(worker: str, prefill_s: float, queued_s: float) -> CandidateScore:
         load = WorkerLoad(worker, inflight=1, queued_prefill_s=queued_s, prefilling=1 if queued_s else 0)
-        return CandidateScore(prefill_s + queued_s, 0.0, worker, 0, 0, prefill_s, prefill_s + queued_s, True, load)
+        return CandidateScore(prefill_s + queued_s, 0.0, worker, 0, NO_REUSE, prefill_s, prefill_s + queued_s, True, load)
 
     # The prefix is cached on w0, where one prefill of 0.2 s is queued: recomputing it all
     # on w1 (0.5 s) costs more than the wait; w2 holds part of it (0.25 s) and costs less.
