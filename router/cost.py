@@ -15,8 +15,9 @@ Llama-3-8B-shaped layers, 32 layers):
   that copy: from a node's NVMe disk at 7 GB/s, 18.7 + 2.4 ≈ 21.1 µs/token (about a
   zero-context token's prefill: a disk copy pays only for long contexts on this model, and
   far more on larger ones); from the remote tier at 100 Gb/s, 10.5 + 2.4 ≈ 12.9 µs/token.
-  A tier a worker cannot reach (another node's pool or disk) is not offered to it: its
-  tokens are a recompute there.
+  A worker loads each run from the first tier holding it in LMCache's order (pool, disk,
+  remote). A tier a worker cannot reach (another node's pool or disk) is not offered to
+  it: its tokens are a recompute there.
 
 Queued prefill is tracked separately (`WorkerLoad.queued_prefill_s`); the in-flight penalty
 only covers the batch steps that running decodes lengthen.
@@ -208,38 +209,29 @@ class CostModel:
         return self.pool_load_s_per_token * max(tokens, 0)
 
     def reuse(self, held: Held, total_tokens: int) -> tuple[Reuse, float]:
-        """The cheapest way to a prompt's KV from what a candidate holds: keep what its GPU
-        has, then copy runs from the tiers it reaches (each run from the cheapest tier
-        holding it) up to the point where recomputing the rest is cheaper. Returns the
-        plan and its seconds (copies plus the prefill of the rest). A copy is a prefix
-        (the engine computes only after what it loaded), and a token copied late in the
-        prompt saves more prefill than one early (attention's cost grows with context), so
-        every end of a held run is tried as the point where loading stops."""
+        """How a worker holding `held` of a prompt gets its KV, and the seconds that takes
+        (copies plus the prefill of the rest): what its GPU has is kept, and the engine's
+        connector loads every further token some tier it reaches holds, each run from the
+        first tier that holds it in the order LMCache asks them (its node's pool, its
+        node's disk, the remote tier) — not the cheapest, and never stopping early to
+        recompute instead: the prediction is of what the engine will do."""
         gpu = min(held.gpu, total_tokens)
-        best, best_s = Reuse(gpu), self.prefill_s(gpu, total_tokens)
-        if held.pool <= gpu and held.disk <= gpu and held.remote <= gpu:
-            return best, best_s
-        tiers = (
-            (held.pool, self.pool_load_s_per_token, 1),
-            (held.disk, self.disk_load_s_per_token, 2),
-            (held.remote, self.remote_load_s_per_token, 3),
-        )
-        counts = [gpu, 0, 0, 0]
-        at, load_s = gpu, 0.0
-        for end in sorted({min(t, total_tokens) for t, _, _ in tiers if t > gpu}):
-            rate, i = min((r, i) for t, r, i in tiers if t >= end)
-            load_s += rate * (end - at)
-            counts[i] += end - at
-            at = end
-            seconds = load_s + self.prefill_s(end, total_tokens)
-            if seconds < best_s:
-                best, best_s = Reuse(*counts), seconds
-        return best, best_s
+        end = min(max(held), total_tokens)
+        if end <= gpu:
+            return Reuse(gpu), self.prefill_s(gpu, total_tokens)
+        pool = max(min(held.pool, end) - gpu, 0)
+        disk = max(min(held.disk, end) - gpu - pool, 0)
+        remote = end - gpu - pool - disk
+        seconds = (
+            self.pool_load_s_per_token * pool + self.disk_load_s_per_token * disk
+            + self.remote_load_s_per_token * remote + self.prefill_s(end, total_tokens)
+        )  # fmt: skip
+        return Reuse(gpu, pool, disk, remote), seconds
 
     def predicted_ttft_s(self, load: WorkerLoad, held: Held, total_tokens: int) -> tuple[float, float, Reuse]:
         """(prefill seconds, time to first token, the reuse they assume) of a prompt of
-        total_tokens on a worker at `load` holding `held` of it. The prefill is the cheapest
-        plan of `reuse` plus the worker's fixed overhead; the TTFT adds the prefill already
+        total_tokens on a worker at `load` holding `held` of it. The prefill is `reuse`'s
+        plus the worker's fixed overhead; the TTFT adds the prefill already
         queued on the worker, the batch steps its running requests lengthen, and how far
         behind these predictions the worker's queue is running (`lag_s`)."""
         plan, seconds = self.reuse(held, total_tokens)

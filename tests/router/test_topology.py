@@ -48,26 +48,28 @@ def test_a_fleet_without_slower_tiers_prices_the_pool_as_before() -> None:
     assert COST.reuse(Held(), 9000) == (Reuse(), COST.prefill_s(0, 9000))
 
 
-def test_each_run_is_copied_from_the_cheapest_tier_holding_it() -> None:
-    """The pool holds the head, the remote tier more, the disk more still: the head comes
-    from the pool, the next run from remote (cheaper than disk), the rest from disk."""
-    plan, seconds = COST.reuse(Held(gpu=0, pool=2000, disk=30_000, remote=10_000), 30_000)
-    assert plan == Reuse(gpu=0, pool=2000, remote=8000, disk=20_000)
+def test_each_run_is_copied_from_the_first_tier_lmcache_asks() -> None:
+    """The pool holds the head, the disk more, the remote tier more still: LMCache loads the
+    head from the pool, the next run from the disk, the rest from remote."""
+    plan, seconds = COST.reuse(Held(gpu=0, pool=2000, disk=10_000, remote=30_000), 30_000)
+    assert plan == Reuse(gpu=0, pool=2000, disk=8000, remote=20_000)
     expected = (
-        2000 * COST.pool_load_s_per_token + 8000 * COST.remote_load_s_per_token + 20_000 * COST.disk_load_s_per_token
+        2000 * COST.pool_load_s_per_token + 8000 * COST.disk_load_s_per_token + 20_000 * COST.remote_load_s_per_token
     )
     assert seconds == pytest.approx(expected)
     assert plan.tier == "remote" and plan.tokens == 30_000 and plan.copied == 30_000
+    # A run both the disk and the remote tier hold comes from the disk, slower as it is.
+    assert COST.disk_load_s_per_token > COST.remote_load_s_per_token
+    assert COST.reuse(Held(disk=20_000, remote=20_000), 30_000)[0] == Reuse(disk=20_000)
+    # What the GPU holds is kept; copies start after it.
+    assert COST.reuse(Held(gpu=5000, pool=4000, remote=9000), 10_000)[0] == Reuse(gpu=5000, remote=4000)
 
 
-def test_a_copy_dearer_than_recomputing_is_not_made() -> None:
-    """A slow tier's copy of a short prompt's head costs more than its prefill: recompute."""
+def test_the_engine_loads_what_it_finds_even_where_recomputing_were_cheaper() -> None:
+    """vLLM's connector loads every token LMCache finds: the prediction follows it."""
     slow = CostModel(remote_load_s_per_token=200e-6)  # ten times a token's prefill
-    assert slow.reuse(Held(remote=4000), 4096)[0] == Reuse()
-    # With the defaults, the disk (21 µs/token) costs about a token's prefill at zero context:
-    # it pays for a long context (quadratic attention), not for a short one.
-    assert COST.reuse(Held(disk=512), 600)[0] == Reuse()
-    assert COST.reuse(Held(disk=30_000), 32_000)[0] == Reuse(disk=30_000)
+    plan, seconds = slow.reuse(Held(remote=4000), 4096)
+    assert plan == Reuse(remote=4000) and seconds == pytest.approx(0.8 + slow.prefill_s(4000, 4096))
 
 
 def test_tier_costs_derive_from_bandwidths_and_explicit_ones_are_held_fixed() -> None:
