@@ -1,12 +1,17 @@
-"""A simulated fleet in one process: the shared pool and N workers on one event loop.
+"""A simulated fleet in one process: the nodes' pools and N workers on one event loop.
 
-`kvroute sim-cluster --workers N --base-port P [--pool-port Q] [--time-scale S]
+`kvroute sim-cluster --workers N --base-port P [--nodes M] [--pool-port Q] [--time-scale S]
 [--profile ...] [--kv-capacity-tokens N] [--no-pool] [--kv-events-base-port Z]
-[--speed F | --speeds F0,F1,...]`
+[--speed F | --speeds F0,F1,...] [--disk-capacity-tokens N] [--disk-gbytes-s G]
+[--remote-capacity-tokens N] [--remote-gbps G] [--no-remote-write-through]`
 
-Workers are named w0..w{N-1} and listen on P..P+N-1; the pool listens on Q (default
-P+N). With --kv-events-base-port Z, worker i publishes KV events on tcp://127.0.0.1:Z+i.
-One line `READY` is printed to stdout once everything listens.
+Workers are named w0..w{N-1} and listen on P..P+N-1. They are split in order over M nodes
+n0..n{M-1} (N/M each); node i's pool (its LMCache server: the CPU pool, and a disk tier
+under it with --disk-capacity-tokens) listens on Q+i (Q defaults to P+N). With
+--remote-capacity-tokens, one remote tier serves every node. With --kv-events-base-port Z,
+worker i publishes KV events on tcp://127.0.0.1:Z+i. One line `READY` is printed to stdout
+once everything listens. `--print-topology` prints the router's `--node` flags for that
+split and exits.
 
 `SimCluster` (and `SimWorkerProcess`) start that command as a subprocess on free loopback
 ports for tests and benchmarks, and kill its whole process group on exit.
@@ -26,17 +31,58 @@ from typing import Any
 
 from loadtests.processes import spawn, stop_group
 from loadtests.routerproc import port_free
-from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS, ChunkStore, LocalPoolClient, build_pool_app
+from loadtests.sim.costs import DISK_GBYTES_S, REMOTE_GBPS
+from loadtests.sim.pool import (
+    DEFAULT_CAPACITY_TOKENS,
+    ChunkStore,
+    LocalPoolClient,
+    NodeStore,
+    build_pool_app,
+)
 from loadtests.sim.serving import QuietServer, Teardown, run_servers, server_for
-from loadtests.sim.worker import DEFAULT_MODEL, SimWorker, add_engine_args, config_from_args
+from loadtests.sim.worker import (
+    DEFAULT_MODEL,
+    SimWorker,
+    add_engine_args,
+    config_from_args,
+    positive_float,
+)
+
+
+def topology(workers: int, nodes: int) -> dict[str, list[str]]:
+    """Node name -> its workers: w0..w{N-1} split in order over n0..n{M-1}, N/M each."""
+    if workers < 1 or nodes < 1:
+        raise ValueError("workers and nodes must be at least 1")
+    if workers % nodes:
+        raise ValueError(f"{workers} workers do not split evenly over {nodes} nodes")
+    per = workers // nodes
+    return {f"n{j}": [f"w{i}" for i in range(j * per, (j + 1) * per)] for j in range(nodes)}
+
+
+def node_flags(topo: dict[str, list[str]]) -> list[str]:
+    """The router's flags for a topology: `--node n0=w0,w1 --node n1=w2,w3`."""
+    out: list[str] = []
+    for node, workers in topo.items():
+        out += ["--node", f"{node}={','.join(workers)}"]
+    return out
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvroute sim-cluster", description="a pool and N simulated workers")
+    p = argparse.ArgumentParser(prog="kvroute sim-cluster", description="the nodes' pools and N simulated workers")
     p.add_argument("--workers", type=int, required=True)
-    p.add_argument("--base-port", type=int, required=True)
-    p.add_argument("--pool-port", type=int, default=None)
-    p.add_argument("--pool-capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS)
+    p.add_argument("--base-port", type=int, default=None, help="required unless --print-topology")
+    p.add_argument("--nodes", type=int, default=1, help="split the workers in order over this many nodes, one pool each")
+    p.add_argument("--print-topology", action="store_true", help="print the router's --node flags and exit")
+    p.add_argument("--pool-port", type=int, default=None, help="node i's pool listens on this + i (default: base port + workers)")
+    p.add_argument("--pool-capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS, help="per node")
+    p.add_argument("--disk-capacity-tokens", type=int, default=0, help="a disk tier under each node's pool (0: none)")
+    p.add_argument("--disk-gbytes-s", type=positive_float, default=DISK_GBYTES_S, help="the disk tier's read bandwidth, GB/s")
+    p.add_argument("--remote-capacity-tokens", type=int, default=0, help="one remote tier every node reads (0: none)")
+    p.add_argument("--remote-gbps", type=positive_float, default=REMOTE_GBPS, help="network bandwidth to the remote tier, Gb/s")
+    p.add_argument(
+        "--no-remote-write-through", dest="remote_write_through", action="store_false",
+        help="workers do not store what they compute in the remote tier (something else fills it)",
+    )  # fmt: skip
     p.add_argument("--no-pool", action="store_true")
     p.add_argument(
         "--pool-in-process", action="store_true",
@@ -53,6 +99,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.nodes < 1:
+        p.error("--nodes must be at least 1")
+    if args.workers % args.nodes:
+        p.error(f"--workers {args.workers} must be divisible by --nodes {args.nodes} (workers split evenly over nodes)")
+    if args.base_port is None and not args.print_topology:
+        p.error("--base-port is required")
+    if args.disk_capacity_tokens < 0 or args.remote_capacity_tokens < 0:
+        p.error("tier capacities must be non-negative")
+    if args.no_pool and (args.disk_capacity_tokens > 0 or args.remote_capacity_tokens > 0):
+        p.error("--disk-capacity-tokens and --remote-capacity-tokens need a pool (LMCache loads through it)")
     try:
         args.speed_list = _speeds(args.speeds, args.workers, args.speed)
     except ValueError as exc:
@@ -71,24 +127,50 @@ def _speeds(text: str | None, workers: int, default: float) -> list[float]:
     return speeds
 
 
+def node_stores(args: argparse.Namespace, nodes: list[str]) -> dict[str, NodeStore]:
+    """Each node's LMCache server: its own pool and disk tier, and the one remote tier."""
+    remote = ChunkStore(args.remote_capacity_tokens) if args.remote_capacity_tokens > 0 else None
+    return {
+        node: NodeStore(
+            ChunkStore(args.pool_capacity_tokens),
+            disk=ChunkStore(args.disk_capacity_tokens) if args.disk_capacity_tokens > 0 else None,
+            remote=remote,
+            remote_write_through=args.remote_write_through,
+            node=node,
+        )
+        for node in nodes
+    }
+
+
 def cli(argv: list[str]) -> int:
     args = parse_args(argv)
+    topo = topology(args.workers, args.nodes)
+    if args.print_topology:
+        print(" ".join(node_flags(topo)), flush=True)
+        return 0
+    node_of = {worker: node for node, workers in topo.items() for worker in workers}
     pool_port = args.pool_port if args.pool_port is not None else args.base_port + args.workers
-    pool_url = None if args.no_pool else f"http://{args.host}:{pool_port}"
+    pool_urls = {node: f"http://{args.host}:{pool_port + i}" for i, node in enumerate(topo)}
 
     async def build() -> tuple[list[QuietServer], Teardown]:
         servers: list[QuietServer] = []
-        local_pool = None
+        stores: dict[str, NodeStore] = {}
         if not args.no_pool:
-            store = ChunkStore(args.pool_capacity_tokens)
-            local_pool = LocalPoolClient(store) if args.pool_in_process else None
-            servers.append(server_for(build_pool_app(store), args.host, pool_port))
+            stores = node_stores(args, list(topo))
+            for i, node in enumerate(topo):
+                servers.append(server_for(build_pool_app(stores[node]), args.host, pool_port + i))
         workers = []
         for i in range(args.workers):
+            name = f"w{i}"
+            node = node_of[name]
             events = None
             if args.kv_events_base_port is not None:
                 events = f"tcp://{args.host}:{args.kv_events_base_port + i}"
-            config = config_from_args(args, f"w{i}", args.base_port + i, pool_url, events, speed=args.speed_list[i])
+            pool_url = None if args.no_pool else pool_urls[node]
+            config = config_from_args(
+                args, name, args.base_port + i, pool_url, events, speed=args.speed_list[i], node=node
+            )
+            local_pool = LocalPoolClient(stores[node]) if stores and args.pool_in_process else None
             worker = SimWorker(config, pool=local_pool)
             workers.append(worker)
             servers.append(server_for(worker.app, args.host, config.port))
@@ -191,8 +273,11 @@ class SimCluster(_SimProcess):
 
     with SimCluster(workers=2, time_scale=0.01) as c:
         c.worker_urls   # {"w0": "http://127.0.0.1:P", "w1": ...}
-        c.pool_url      # None with pool=False
+        c.pool_url      # node n0's pool (the only one with nodes=1); None with pool=False
+        c.pool_urls     # {"n0": "http://127.0.0.1:Q", "n1": ...}; {} with pool=False
+        c.topology      # {"n0": ["w0", ...], ...};  c.node_of: {"w0": "n0", ...}
         c.kv_event_endpoints  # {"w0": "tcp://127.0.0.1:Z", ...} with kv_events=True
+        c.router_node_args()  # ["--node", "n0=w0,...", ...] for the router
     """
 
     def __init__(
@@ -208,8 +293,25 @@ class SimCluster(_SimProcess):
         extra_args: list[str] | None = None,
         pool_in_process: bool = False,
         speeds: list[float] | None = None,
+        nodes: int = 1,
+        disk_capacity_tokens: int = 0,
+        remote_capacity_tokens: int = 0,
+        remote_gbps: float | None = None,
+        disk_gbytes_s: float | None = None,
+        remote_write_through: bool = True,
     ) -> None:
         super().__init__()
+        # Checked here, not by the child: a bad split would otherwise fail every start attempt.
+        self.topology = topology(workers, nodes)
+        self.node_of = {worker: node for node, names in self.topology.items() for worker in names}
+        if not pool and (disk_capacity_tokens > 0 or remote_capacity_tokens > 0):
+            raise ValueError("disk and remote tiers need a pool")
+        self.nodes = nodes
+        self.disk_capacity_tokens = disk_capacity_tokens
+        self.remote_capacity_tokens = remote_capacity_tokens
+        self.remote_gbps = remote_gbps
+        self.disk_gbytes_s = disk_gbytes_s
+        self.remote_write_through = remote_write_through
         self.pool_in_process = pool_in_process
         self.speeds = speeds
         self.workers = workers
@@ -224,14 +326,27 @@ class SimCluster(_SimProcess):
         self.base_port = 0
         self.worker_urls: dict[str, str] = {}
         self.pool_url: str | None = None
+        self.pool_urls: dict[str, str] = {}
         self.kv_event_endpoints: dict[str, str] = {}
 
+    @property
+    def _pool_ports(self) -> int:
+        return self.nodes if self.pool else 0
+
+    def router_node_args(self) -> list[str]:
+        """The router's `--node` flags for this cluster's topology."""
+        return node_flags(self.topology)
+
     def _choose_ports(self) -> None:
-        n = self.workers + (1 if self.pool else 0) + (self.workers if self.kv_events else 0)
+        n = self.workers + self._pool_ports + (self.workers if self.kv_events else 0)
         self.base_port = free_port_range(n)
         self.worker_urls = {f"w{i}": f"http://127.0.0.1:{self.base_port + i}" for i in range(self.workers)}
-        self.pool_url = f"http://127.0.0.1:{self.base_port + self.workers}" if self.pool else None
-        ev_base = self.base_port + self.workers + (1 if self.pool else 0)
+        pool_base = self.base_port + self.workers
+        self.pool_urls = (
+            {node: f"http://127.0.0.1:{pool_base + i}" for i, node in enumerate(self.topology)} if self.pool else {}
+        )
+        self.pool_url = self.pool_urls.get("n0")
+        ev_base = self.base_port + self.workers + self._pool_ports
         self.kv_event_endpoints = (
             {f"w{i}": f"tcp://127.0.0.1:{ev_base + i}" for i in range(self.workers)} if self.kv_events else {}
         )
@@ -250,10 +365,22 @@ class SimCluster(_SimProcess):
                 cmd += ["--pool-capacity-tokens", str(self.pool_capacity_tokens)]
             if self.pool_in_process:
                 cmd.append("--pool-in-process")
+            if self.disk_capacity_tokens > 0:
+                cmd += ["--disk-capacity-tokens", str(self.disk_capacity_tokens)]
+            if self.remote_capacity_tokens > 0:
+                cmd += ["--remote-capacity-tokens", str(self.remote_capacity_tokens)]
+            if not self.remote_write_through:
+                cmd.append("--no-remote-write-through")
         else:
             cmd.append("--no-pool")
+        if self.nodes != 1:
+            cmd += ["--nodes", str(self.nodes)]
+        if self.disk_gbytes_s is not None:
+            cmd += ["--disk-gbytes-s", str(self.disk_gbytes_s)]
+        if self.remote_gbps is not None:
+            cmd += ["--remote-gbps", str(self.remote_gbps)]
         if self.kv_events:
-            cmd += ["--kv-events-base-port", str(self.base_port + self.workers + (1 if self.pool else 0))]
+            cmd += ["--kv-events-base-port", str(self.base_port + self.workers + self._pool_ports)]
         if self.profile:
             cmd += ["--profile", self.profile]
         if self.kv_capacity_tokens is not None:

@@ -30,6 +30,19 @@ Pool load (PCIe bound). Loading a token's KV from the LMCache CPU pool copies it
 host→device at the pinned bandwidth measured for large copies (55.0 GB/s). LMCache loads
 before the forward pass, so the load time adds to the step that admits the request.
 
+Slower tiers (not measured; the same derivation as the router's defaults in `router/cost.py`,
+so that the simulator charges what the router predicts). LMCache reads a chunk from a node's
+disk or from the remote tier into host memory, then copies it to the GPU like a pool chunk:
+  disk   = KV bytes/token ÷ disk read bandwidth + the pool's pinned copy. Default 7.0 GB/s:
+           one PCIe 4.0 x4 NVMe drive's rated sequential read (Samsung PM1733 / PM9A3 data
+           sheets: 6.8–7.0 GB/s), the kind of drive in an 8-GPU node (`--disk-gbytes-s`).
+  remote = KV bytes/token × 8 ÷ network bandwidth + the pool's pinned copy. Default
+           100 Gb/s: one 100 Gb/s Ethernet or RoCE NIC, the front-end network of a rented GPU
+           node, where LMCache's remote backends live (`--remote-gbps`).
+For Llama-3-8B that is 18.7 + 2.4 ≈ 21.1 µs/token from disk and 10.5 + 2.4 ≈ 12.9 µs/token
+from the remote tier. Like the pool load, both use KV bytes per GPU: under TP each rank
+reads its own shard (an assumption: the ranks of a node share its drive and NIC).
+
 Tensor parallelism (the 72B profile runs TP8 on one 8×H200 node). Not measured: each GPU
 computes 1/8 of every layer (compute ÷ 8), at an assumed 80% TP efficiency (two NVLink
 all-reduces per layer on the critical path); each GPU reads 1/8 of the weights and holds
@@ -63,6 +76,17 @@ STEP_OVERHEAD_S = 1.0e-3
 TP_EFFICIENCY = 0.80
 ALLREDUCE_LATENCY_S = 8e-6
 BYTES_PER_PARAM = 2  # bf16
+
+POOL, DISK, REMOTE = "pool", "disk", "remote"
+LMCACHE_ORDER = (POOL, DISK, REMOTE)
+"""The order LMCache's storage manager asks its backends for a chunk (local CPU, local disk,
+remote): a chunk several hold is loaded from the first, whatever their bandwidths."""
+"""The tiers a worker loads KV from besides its GPU: its node's CPU pool, its node's disk
+tier, the cluster-wide remote tier."""
+DISK_GBYTES_S = 7.0
+"""Disk tier read bandwidth, GB/s: a PCIe 4.0 x4 NVMe drive's rated sequential read (see above)."""
+REMOTE_GBPS = 100.0
+"""Bandwidth to the remote tier, Gb/s: one 100 Gb/s NIC (see above)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +168,10 @@ class CostModel:
     pool_bps: float
     step_overhead_s: float
     default_capacity_tokens: int
+    disk_bps: float = DISK_GBYTES_S * 1e9
+    """Disk tier read bandwidth, bytes/s."""
+    remote_bps: float = REMOTE_GBPS * 1e9 / 8
+    """Bandwidth to the remote tier, bytes/s."""
     _xs: tuple[float, ...] = field(init=False, repr=False)
     _prefix: tuple[float, ...] = field(init=False, repr=False)
 
@@ -200,27 +228,61 @@ class CostModel:
         """Seconds to copy `tokens` tokens of KV from the CPU pool into HBM."""
         return max(tokens, 0) * self.kv_bytes_per_token_per_gpu / self.pool_bps
 
+    def disk_load_s(self, tokens: int) -> float:
+        """Seconds to read `tokens` tokens of KV from the node's disk tier into HBM."""
+        return max(tokens, 0) * self.kv_bytes_per_token_per_gpu / self.disk_bps + self.pool_load_s(tokens)
+
+    def remote_load_s(self, tokens: int) -> float:
+        """Seconds to fetch `tokens` tokens of KV from the remote tier into HBM."""
+        return max(tokens, 0) * self.kv_bytes_per_token_per_gpu / self.remote_bps + self.pool_load_s(tokens)
+
+    def load_s(self, tier: str, tokens: int) -> float:
+        """Seconds to load `tokens` tokens of KV from `tier` (POOL, DISK or REMOTE)."""
+        if tier == POOL:
+            return self.pool_load_s(tokens)
+        if tier == DISK:
+            return self.disk_load_s(tokens)
+        if tier == REMOTE:
+            return self.remote_load_s(tokens)
+        raise ValueError(f"unknown tier {tier!r}")
+
     def step_s(
         self,
         prefill_chunks: list[tuple[int, int]],
         decode_contexts: list[int],
         pool_tokens: int = 0,
+        disk_tokens: int = 0,
+        remote_tokens: int = 0,
     ) -> float:
         """Duration of one engine step.
 
         `prefill_chunks`: (start, end) token ranges prefilled this step; `decode_contexts`:
-        the context length of every sequence decoding one token; `pool_tokens`: tokens
-        loaded from the CPU pool before the forward pass.
+        the context length of every sequence decoding one token; `pool_tokens`,
+        `disk_tokens`, `remote_tokens`: tokens loaded from each tier before the forward pass.
         """
-        if not prefill_chunks and not decode_contexts and pool_tokens <= 0:
+        loaded = pool_tokens > 0 or disk_tokens > 0 or remote_tokens > 0
+        if not prefill_chunks and not decode_contexts and not loaded:
             return 0.0
         compute = sum(self.prefill_s(s, e) for s, e in prefill_chunks)
         compute += len(decode_contexts) * self.knots[0][1]
         memory = self.decode_memory_s(sum(decode_contexts))
-        return self.step_overhead_s + max(compute, memory) + self.pool_load_s(pool_tokens)
+        duration = self.step_overhead_s + max(compute, memory) + self.pool_load_s(pool_tokens)
+        # Added only when present, so that a pool-only step's duration is bit for bit what it was.
+        if disk_tokens > 0:
+            duration += self.disk_load_s(disk_tokens)
+        if remote_tokens > 0:
+            duration += self.remote_load_s(remote_tokens)
+        return duration
 
 
-def build_cost_model(profile_name: str = DEFAULT_PROFILE, calibration: dict[str, Any] | None = None) -> CostModel:
+def build_cost_model(
+    profile_name: str = DEFAULT_PROFILE,
+    calibration: dict[str, Any] | None = None,
+    disk_gbytes_s: float = DISK_GBYTES_S,
+    remote_gbps: float = REMOTE_GBPS,
+) -> CostModel:
+    if not disk_gbytes_s > 0 or not remote_gbps > 0:
+        raise ValueError("tier bandwidths must be positive")
     try:
         profile = PROFILES[profile_name]
     except KeyError:
@@ -254,6 +316,8 @@ def build_cost_model(profile_name: str = DEFAULT_PROFILE, calibration: dict[str,
         pool_bps=_pinned_h2d_bps(cal),
         step_overhead_s=overhead,
         default_capacity_tokens=capacity,
+        disk_bps=disk_gbytes_s * 1e9,
+        remote_bps=remote_gbps * 1e9 / 8,
     )
 
 
@@ -267,6 +331,8 @@ def summary(model: CostModel, lengths: tuple[int, ...] = (1024, 4096, 16384, 327
         "decode_step_ms_batch1_ctx1k": round(model.step_s([], [1024]) * 1e3, 3),
         "decode_step_ms_batch64_ctx4k": round(model.step_s([], [4096] * 64) * 1e3, 3),
         "pool_load_us_per_token": round(model.pool_load_s(1) * 1e6, 3),
+        "disk_load_us_per_token": round(model.disk_load_s(1) * 1e6, 3),
+        "remote_load_us_per_token": round(model.remote_load_s(1) * 1e6, 3),
         "kv_bytes_per_token": model.kv_bytes_per_token,
         "default_capacity_tokens": model.default_capacity_tokens,
     }

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from loadtests.sim.costs import CostModel
+from loadtests.sim.costs import DISK, POOL, REMOTE, CostModel
 from normalizer.tokens import CHARS_PER_TOKEN
 
 BLOCK_SIZE = 16
@@ -159,6 +159,9 @@ class Seq:
     arrival: float
     pool_hit_tokens: int = 0
     """Leading prompt tokens the CPU pool held when the request arrived (chunk aligned)."""
+    pool_runs: list[tuple[str, int]] = field(default_factory=list)
+    """Those tokens as (tier, tokens) runs in prompt order: the tier (POOL, DISK, REMOTE)
+    each is loaded from. Empty: all of them from the pool."""
     data: bytes = b""
     """Prompt bytes; only needed to report token ids in KV events."""
     pool_keys: list[int] = field(default_factory=list)
@@ -174,6 +177,9 @@ class Seq:
     scheduled_at: float | None = None
     gpu_hit_tokens: int = 0
     pool_loaded_tokens: int = 0
+    """Prompt tokens loaded instead of computed, from every tier."""
+    tier_loaded_tokens: dict[str, int] = field(default_factory=dict)
+    """`pool_loaded_tokens` by the tier they came from."""
     pool_stored_chunks: int = 0
     preemptions: int = 0
 
@@ -205,6 +211,9 @@ class Step:
     """A request waited for KV blocks during this step: the oldest waiting one did not fit
     in the free blocks though the step had token budget and a sequence slot for it, or the
     step preempted a running one (which waits to be readmitted)."""
+    disk_tokens: int = 0
+    remote_tokens: int = 0
+    """Tokens loaded from the disk and remote tiers (`pool_tokens`: from the CPU pool)."""
 
 
 @dataclass(slots=True)
@@ -237,6 +246,8 @@ class Counters:
     prefix_hits: int = 0
     external_queries: int = 0
     external_hits: int = 0
+    tier_hits: dict[str, int] = field(default_factory=lambda: {POOL: 0, DISK: 0, REMOTE: 0})
+    """`external_hits` by the tier the tokens were loaded from."""
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
@@ -410,10 +421,10 @@ class Engine:
         self.counters.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _admit(self, seq: Seq, budget: int) -> tuple[int, int] | None:
+    def _admit(self, seq: Seq, budget: int) -> tuple[dict[str, int], int] | None:
         """Match a waiting request against the GPU cache and the pool and give it blocks for
-        its first chunk. Returns (pool tokens to load, chunk tokens), or None if it does not
-        fit now."""
+        its first chunk. Returns (tokens to load from each tier, chunk tokens), or None if it
+        does not fit now."""
         limit = seq.prompt_len - 1
         hit_blocks = self.blocks.cached_run(seq.block_hashes, limit // BLOCK_SIZE)
         hits = seq.block_hashes[:hit_blocks]
@@ -430,20 +441,40 @@ class Engine:
             raise AssertionError("block accounting out of sync")
         seq.table = [*hits, *([None] * need)]
         seq.num_computed = start
+        loads = self._loads(seq, gpu_hit, start)
         if not seq.counted:
             seq.counted = True
             seq.gpu_hit_tokens = gpu_hit
             seq.pool_loaded_tokens = external
+            seq.tier_loaded_tokens = loads
             c = self.counters
             c.prefix_queries += seq.prompt_len
             c.prefix_hits += gpu_hit
             if self.has_pool:
                 c.external_queries += seq.prompt_len - gpu_hit
                 c.external_hits += external
+                for tier, tokens in loads.items():
+                    c.tier_hits[tier] += tokens
         seq.pool_stored_chunks = max(seq.pool_stored_chunks, seq.pool_hit_tokens // self.pool_chunk_tokens)
         # Pool-loaded blocks are computed now: cache them like prefilled ones.
         self._commit_blocks(seq)
-        return external, want
+        return loads, want
+
+    @staticmethod
+    def _loads(seq: Seq, start: int, end: int) -> dict[str, int]:
+        """Tokens start..end of the pool hit split by the tier each is loaded from."""
+        out: dict[str, int] = {}
+        if end <= start:
+            return out
+        at = 0
+        for tier, tokens in seq.pool_runs or [(POOL, seq.pool_hit_tokens)]:
+            lo, hi = max(at, start), min(at + tokens, end)
+            if hi > lo:
+                out[tier] = out.get(tier, 0) + hi - lo
+            at += tokens
+            if at >= end:
+                break
+        return out
 
     def _evictable_among(self, hashes: list[int]) -> int:
         """Blocks about to be reused that currently count as free (evictable)."""
@@ -457,7 +488,7 @@ class Engine:
         items: list[Scheduled] = []
         prefill_chunks: list[tuple[int, int]] = []
         decode_contexts: list[int] = []
-        pool_tokens = 0
+        loaded = {POOL: 0, DISK: 0, REMOTE: 0}
         preempted = False
         scheduled_ids: set[int] = set()
         i = 0
@@ -496,24 +527,27 @@ class Engine:
                 if admitted is None:
                     kv_held = True
                     break  # head-of-line: the oldest waiting request does not fit yet
-                loaded, want = admitted
+                loads, want = admitted
                 self.waiting.popleft()
                 seq.state = State.RUNNING
                 self.running.append(seq)
-                pool_tokens += loaded
+                for tier, tokens in loads.items():
+                    loaded[tier] += tokens
                 items.append(Scheduled(seq, seq.num_computed, want))
                 prefill_chunks.append((seq.num_computed, seq.num_computed + want))
                 budget -= want
         if not items:
             return None
-        duration = self.cost.step_s(prefill_chunks, decode_contexts, pool_tokens)
+        duration = self.cost.step_s(prefill_chunks, decode_contexts, loaded[POOL], loaded[DISK], loaded[REMOTE])
         step = Step(
             items=items,
             duration=duration,
             prefill_tokens=sum(e - s for s, e in prefill_chunks),
             decode_tokens=len(decode_contexts),
-            pool_tokens=pool_tokens,
+            pool_tokens=loaded[POOL],
             kv_held=kv_held,
+            disk_tokens=loaded[DISK],
+            remote_tokens=loaded[REMOTE],
         )
         self.in_step = step
         return step

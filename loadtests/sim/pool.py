@@ -1,4 +1,5 @@
-"""The simulated shared KV pool (LMCache's CPU backend, shared by every worker).
+"""The simulated KV pool (LMCache's CPU backend, shared by the workers of one node), and
+the slower tiers under it.
 
 Semantics kept from LMCache: KV is stored in chunks of 256 tokens, each keyed by a hash
 chained over the chunks before it (so a key stands for a whole prefix), only full chunks
@@ -6,9 +7,18 @@ are stored, and the store is an LRU bounded by capacity. A worker asks for the l
 of leading chunks present (`/lookup`), loads them instead of recomputing, and stores every
 chunk it computes (`/store`) off its critical path.
 
+A node's LMCache server (`NodeStore`) may have a disk tier under its pool, and every node
+may reach a cluster-wide remote tier. A lookup then finds the longest run of leading chunks
+held by any of them, each chunk answered by the first tier holding it in LMCache's storage
+manager's order (its local CPU pool, its local disk, the remote backend); chunks found on
+disk or remote are written back into the pool (LMCache promotes what it loads to its local
+CPU cache). A store goes to the pool, the disk, and the remote tier unless it is not
+written through. Another node's pool and disk are not reachable.
+
 `kvroute sim-pool --port P --capacity-tokens N` serves:
-  POST /lookup {"keys": [k0, k1, ...]}  -> {"hits": n}   n leading keys present (touched)
-  POST /store  {"keys": [...]}          -> {"stored": n} n keys newly inserted
+  POST /lookup {"keys": [k0, k1, ...]}  -> {"hits": n}   n leading keys present (touched);
+                                           with slower tiers also "runs": [[tier, chunks], ...]
+  POST /store  {"keys": [...]}          -> {"stored": n} n keys newly inserted in the pool
   POST /clear                           -> {"cleared": n}
   GET  /stats, GET /health, GET /metrics
 """
@@ -29,12 +39,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from loadtests.sim.costs import DISK, LMCACHE_ORDER, POOL, REMOTE
 from loadtests.sim.engine import chain_hashes, salted_seed
 from normalizer.tokens import CHARS_PER_TOKEN
 
 CHUNK_TOKENS = 256
 DEFAULT_CAPACITY_TOKENS = 20_000_000
 """About 2.6 TB of host RAM at the 8B model's 128 KiB per token: a large CPU pool."""
+
+Runs = list[tuple[str, int]]
+"""A lookup's answer: the leading chunks held, as (tier, chunks) runs in prompt order."""
 
 
 def chunk_keys(data: bytes, seed: str, cache_salt: str | None = None) -> list[int]:
@@ -76,6 +90,12 @@ class ChunkStore:
         self.hit_chunks += n
         return n
 
+    def hit(self, keys: Sequence[int]) -> None:
+        """Count `keys` (held) as loaded and make them most recently used, tail first."""
+        for key in reversed(keys):
+            self.lru.move_to_end(key)
+        self.hit_chunks += len(keys)
+
     def store(self, keys: Sequence[int]) -> int:
         new = 0
         for key in reversed(keys):
@@ -109,6 +129,100 @@ class ChunkStore:
         }
 
 
+class NodeStore:
+    """One node's LMCache server as its workers see it: its CPU pool, an optional disk tier
+    under it, and the cluster-wide remote tier if there is one (the same `ChunkStore` in
+    every node's `NodeStore`). With neither slower tier it is exactly its pool."""
+
+    def __init__(
+        self,
+        pool: ChunkStore,
+        disk: ChunkStore | None = None,
+        remote: ChunkStore | None = None,
+        remote_write_through: bool = True,
+        order: Sequence[str] = LMCACHE_ORDER,
+        node: str = "",
+    ) -> None:
+        self.pool = pool
+        self.disk = disk
+        self.remote = remote
+        self.remote_write_through = remote_write_through
+        self.node = node
+        held = {POOL: pool, DISK: disk, REMOTE: remote}
+        self.tiers: list[tuple[str, ChunkStore]] = [(t, s) for t in order if (s := held[t]) is not None]
+        """The tiers it has, in the order LMCache looks in them: a chunk several hold is
+        loaded from the first."""
+        if [t for t, _ in self.tiers][:1] != [POOL]:
+            raise ValueError("the pool must be the first tier")
+        self.loaded_chunks = {POOL: 0, DISK: 0, REMOTE: 0}
+
+    @property
+    def tiered(self) -> bool:
+        return self.disk is not None or self.remote is not None
+
+    def lookup(self, keys: Sequence[int]) -> Runs:
+        """The leading run of chunks any tier holds, as runs of the tier each is loaded
+        from. Every tier touches what it serves; what disk and remote serve is written
+        back into the pool."""
+        if not self.tiered:
+            n = self.pool.lookup(keys)
+            self.loaded_chunks[POOL] += n
+            return [(POOL, n)] if n else []
+        pool = self.pool
+        pool.lookups += 1
+        pool.lookup_chunks += len(keys)
+        served: dict[str, list[int]] = {}
+        runs: Runs = []
+        for key in keys:
+            tier = next((t for t, store in self.tiers if key in store.lru), None)
+            if tier is None:
+                break
+            served.setdefault(tier, []).append(key)
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, runs[-1][1] + 1)
+            else:
+                runs.append((tier, 1))
+        held = {POOL: pool, DISK: self.disk, REMOTE: self.remote}
+        for tier, tier_keys in served.items():
+            store = held[tier]
+            assert store is not None
+            store.hit(tier_keys)
+            self.loaded_chunks[tier] += len(tier_keys)
+        n = sum(count for _, count in runs)
+        if n > len(served.get(POOL, ())):
+            # Promotion: the whole run ends up in the pool, its head most recently used.
+            pool.store(keys[:n])
+        return runs
+
+    def store(self, keys: Sequence[int]) -> int:
+        """Store computed chunks in every tier LMCache writes to; returns the pool's new ones."""
+        new = self.pool.store(keys)
+        if self.disk is not None:
+            self.disk.store(keys)
+        if self.remote is not None and self.remote_write_through:
+            self.remote.store(keys)
+        return new
+
+    def clear(self) -> int:
+        """Empty this node's pool and disk (the remote tier is every node's: left alone)."""
+        if self.disk is not None:
+            self.disk.clear()
+        return self.pool.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's figures, plus the node and its slower tiers' when it has them."""
+        out = self.pool.stats()
+        if not self.tiered:
+            return out
+        out["node"] = self.node
+        out["loaded_chunks"] = dict(self.loaded_chunks)
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        if self.remote is not None:
+            out["remote"] = {**self.remote.stats(), "write_through": self.remote_write_through}
+        return out
+
+
 def _keys_of(body: bytes) -> list[int]:
     try:
         data = orjson.loads(body)
@@ -124,26 +238,35 @@ def _json(payload: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
 
 
-def build_pool_app(store: ChunkStore) -> Starlette:
+def build_pool_app(store_or_node: ChunkStore | NodeStore) -> Starlette:
+    """The pool's HTTP service; given a `NodeStore`, the node's LMCache server with its
+    slower tiers behind the same endpoints."""
+    node = store_or_node if isinstance(store_or_node, NodeStore) else NodeStore(store_or_node)
+    store = node.pool
+
     async def lookup(request: Request) -> Response:
         try:
             keys = _keys_of(await request.body())
         except ValueError as exc:
             return _json({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, 400)
-        return _json({"hits": store.lookup(keys)})
+        runs = node.lookup(keys)
+        hits = sum(n for _, n in runs)
+        if not node.tiered:
+            return _json({"hits": hits})
+        return _json({"hits": hits, "runs": [[tier, n] for tier, n in runs]})
 
     async def store_(request: Request) -> Response:
         try:
             keys = _keys_of(await request.body())
         except ValueError as exc:
             return _json({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, 400)
-        return _json({"stored": store.store(keys)})
+        return _json({"stored": node.store(keys)})
 
     async def clear(request: Request) -> Response:
-        return _json({"cleared": store.clear()})
+        return _json({"cleared": node.clear()})
 
     async def stats(request: Request) -> Response:
-        return _json(store.stats())
+        return _json(node.stats())
 
     async def health(request: Request) -> Response:
         return Response(b"", status_code=200)
@@ -186,17 +309,25 @@ class PoolClient:
         self._flusher: asyncio.Task[None] | None = None
         self.errors = 0
 
-    async def lookup(self, keys: list[int]) -> int:
-        """Leading keys the pool holds; 0 if the pool is unreachable (recompute instead)."""
+    async def lookup(self, keys: list[int]) -> Runs:
+        """Leading keys the node's tiers hold, as runs by the tier each loads from; none
+        if the pool is unreachable (recompute instead)."""
         if not keys:
-            return 0
+            return []
         try:
             r = await self._client.post("/lookup", content=orjson.dumps({"keys": keys}))
             r.raise_for_status()
-            return int(r.json()["hits"])
-        except (httpx.HTTPError, KeyError, ValueError):
+            body = r.json()
+            hits = int(body["hits"])
+            if "runs" not in body:
+                return [(POOL, hits)] if hits else []
+            runs = [(str(tier), int(n)) for tier, n in body["runs"]]
+            if not all(tier in (POOL, DISK, REMOTE) and n > 0 for tier, n in runs):
+                raise ValueError(f"unexpected runs {runs!r}")
+            return runs
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
             self.errors += 1
-            return 0
+            return []
 
     def store(self, keys: list[int]) -> None:
         self._pending.extend(keys)
@@ -236,12 +367,12 @@ class LocalPoolClient:
     with the instant pool cache_aware's follow-up affinity there fell to 0.82–0.88 (from
     ≥ 0.95) in 3 of 4 runs. Not yet explained; see the issue notes."""
 
-    def __init__(self, store: ChunkStore) -> None:
-        self.store_ = store
+    def __init__(self, store: ChunkStore | NodeStore) -> None:
+        self.store_ = store if isinstance(store, NodeStore) else NodeStore(store)
         self.errors = 0
 
-    async def lookup(self, keys: list[int]) -> int:
-        return self.store_.lookup(keys) if keys else 0
+    async def lookup(self, keys: list[int]) -> Runs:
+        return self.store_.lookup(keys) if keys else []
 
     def store(self, keys: list[int]) -> None:
         self.store_.store(keys)

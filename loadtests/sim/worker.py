@@ -36,7 +36,17 @@ from loadtests.sim import agent_apis as agent
 from loadtests.sim import agent_serving as serving
 from loadtests.sim import openai_shapes as shapes
 from loadtests.sim.asgi import Send, WatchedResponse, send_chunk, send_json, start_sse
-from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, CostModel, build_cost_model
+from loadtests.sim.costs import (
+    DEFAULT_PROFILE,
+    DISK,
+    DISK_GBYTES_S,
+    POOL,
+    PROFILES,
+    REMOTE,
+    REMOTE_GBPS,
+    CostModel,
+    build_cost_model,
+)
 from loadtests.sim.engine import (
     BLOCK_SIZE,
     BlockHasher,
@@ -69,6 +79,10 @@ class WorkerConfig:
     """Relative speed of this worker's GPU: 0.5 = every step takes twice as long."""
     kv_capacity_tokens: int | None = None
     pool_url: str | None = None
+    node: str | None = None
+    """The node it runs on (its pool's), as `kvroute sim-cluster --nodes` places it."""
+    disk_gbytes_s: float = DISK_GBYTES_S
+    remote_gbps: float = REMOTE_GBPS
     kv_events: str | None = None
     kv_events_topic: str = ""
     max_tokens_default: int = 32
@@ -144,7 +158,9 @@ class SimWorker:
         self, config: WorkerConfig, cost: CostModel | None = None, pool: LocalPoolClient | None = None
     ) -> None:
         self.config = config
-        self.cost = cost or build_cost_model(config.profile)
+        self.cost = cost or build_cost_model(
+            config.profile, disk_gbytes_s=config.disk_gbytes_s, remote_gbps=config.remote_gbps
+        )
         capacity = config.kv_capacity_tokens or self.cost.default_capacity_tokens
         self.engine = Engine(
             self.cost,
@@ -332,17 +348,18 @@ class SimWorker:
 
     async def _submit(self, job: Job) -> Handle:
         keys: list[int] = []
-        pool_hit = 0
+        runs: list[tuple[str, int]] = []
         if self.pool is not None:
             keys = chunk_keys(job.data, self.config.model, job.cache_salt)
-            pool_hit = await self.pool.lookup(keys) * CHUNK_TOKENS
+            runs = [(tier, chunks * CHUNK_TOKENS) for tier, chunks in await self.pool.lookup(keys)]
         seq = Seq(
             id=job.rid,
             prompt_len=job.prompt_len,
             max_tokens=job.out_tokens,
             block_hashes=self.hasher.hashes(job.data, job.cache_salt),
             arrival=0.0,
-            pool_hit_tokens=pool_hit,
+            pool_hit_tokens=sum(tokens for _, tokens in runs),
+            pool_runs=runs,
             data=job.data if self.publisher is not None else b"",
             pool_keys=keys,
         )
@@ -591,6 +608,7 @@ class SimWorker:
             "prefix_hits_tokens": c.prefix_hits,
             "external_queries_tokens": c.external_queries,
             "external_hits_tokens": c.external_hits,
+            "cached_tokens_by_tier": self._cached_by_tier(),
             "computed_prompt_tokens": c.computed_prompt_tokens,
             "preemptions": c.preemptions,
             "steps": c.steps,
@@ -598,10 +616,17 @@ class SimWorker:
             "kv_held_s": c.kv_held_s,
             "fault": {"mode": self.fault.mode, "slow_factor": self.fault.slow_factor},
             "pool": self.config.pool_url,
+            "node": self.config.node,
             "pool_errors": self.pool.errors if self.pool else 0,
             "kv_events": self.config.kv_events,
             "kv_event_batches": self.publisher.sent if self.publisher else 0,
         }
+
+    def _cached_by_tier(self) -> dict[str, int]:
+        """Prompt tokens not recomputed, by where they came from: the GPU's prefix cache,
+        or loaded from the node's pool, its disk, the remote tier."""
+        c = self.engine.counters
+        return {"gpu": c.prefix_hits, POOL: c.tier_hits[POOL], DISK: c.tier_hits[DISK], REMOTE: c.tier_hits[REMOTE]}
 
     def render_metrics(self) -> str:
         e, c, r = self.engine, self.engine.counters, self.runner
@@ -645,7 +670,20 @@ class SimWorker:
             "Simulated seconds of engine steps during which a waiting request waited for KV blocks.", c.kv_held_s, labels,
         )  # fmt: skip
         x.metric("sim:simulated_seconds", "gauge", "Simulated clock.", r.sim_now(), labels)
-        return x.render()
+        return x.render() + self._render_cached_by_tier(labels)
+
+    def _render_cached_by_tier(self, labels: str) -> str:
+        """`kvroute_sim:cached_tokens_total{tier=...}`: LMCache counts hits per storage
+        backend; this counts every tier a prompt token can come from without being
+        recomputed, the GPU included, so its samples sum to vLLM's prefix cache hits plus
+        its external (connector) hits."""
+        name = "kvroute_sim:cached_tokens_total"
+        lines = [
+            f"# HELP {name} Prompt tokens not recomputed, by the tier they were served from (gpu, pool, disk, remote).",
+            f"# TYPE {name} counter",
+        ]
+        lines += [f'{name}{{{labels},tier="{tier}"}} {tokens}' for tier, tokens in self._cached_by_tier().items()]
+        return "\n".join(lines) + "\n"
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -663,7 +701,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     p.add_argument("--time-scale", type=float, default=1.0, help="real seconds per simulated second")
     p.add_argument(
-        "--speed", type=_positive, default=1.0,
+        "--speed", type=positive_float, default=1.0,
         help="relative speed of the simulated GPU: 0.5 = every step takes twice as long (POST /sim/speed changes it)",
     )  # fmt: skip
     p.add_argument("--kv-capacity-tokens", type=int, default=None, help="GPU KV capacity (default: from the profile)")
@@ -677,7 +715,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _positive(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError("must be positive")
@@ -699,7 +737,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def config_from_args(
-    args: argparse.Namespace, name: str, port: int, pool: str | None, kv_events: str | None, speed: float | None = None
+    args: argparse.Namespace,
+    name: str,
+    port: int,
+    pool: str | None,
+    kv_events: str | None,
+    speed: float | None = None,
+    node: str | None = None,
 ) -> WorkerConfig:
     return WorkerConfig(
         name=name,
@@ -718,6 +762,10 @@ def config_from_args(
         max_num_seqs=args.max_num_seqs,
         get_load_format=args.get_load_format,
         auto_tool_calls=args.auto_tool_calls,
+        node=node,
+        # Only sim-cluster, which builds the slower tiers, has their bandwidth flags.
+        disk_gbytes_s=getattr(args, "disk_gbytes_s", DISK_GBYTES_S),
+        remote_gbps=getattr(args, "remote_gbps", REMOTE_GBPS),
     )
 
 
