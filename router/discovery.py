@@ -7,12 +7,17 @@ Two sources, both polled:
   blocks on DNS). Each address becomes a worker named `IP:PORT` at `http://IP:PORT`.
 * `k8s://NAMESPACE/SERVICE:PORT` — list the Service's EndpointSlices from the API server with
   the pod's service-account token. It sees readiness directly (and terminating pods), at
-  the price of RBAC (`list` on `endpointslices` in NAMESPACE).
+  the price of RBAC (`list` on `endpointslices` in NAMESPACE). It also sees where each pod
+  runs: an endpoint's `nodeName` becomes its worker's node (`WorkerSpec.node`), the LMCache
+  server whose pool and disk tier that worker loads from (cache_client/tiers.py). DNS
+  cannot tell, so its workers are placed by `--node`, else on the default node.
 
 Membership diffs are applied with `Fleet.add` and `Fleet.remove`; `remove` runs the fleet's
 `on_down` callback, which drops the leaving worker's index entries. Workers are named after
 their pod IP on purpose: a restarted pod comes back with a new IP and an empty KV cache, so
-it must not inherit the index entries of its predecessor.
+it must not inherit the index entries of its predecessor. For the same reason a worker whose
+node changes between two lookups (its address reused by a pod on another node) leaves and
+joins again: it is a new pod, with an empty GPU cache, loading from another node's tiers.
 
 A failed lookup (resolver error, API server unreachable) keeps the current membership:
 health checks already stop routing to workers that are really gone, while wiping the fleet
@@ -41,6 +46,9 @@ log = logging.getLogger("kvroute.discovery")
 
 Resolver = Callable[[str], Awaitable[list[str]]]
 """HOST -> the addresses it resolves to now (an empty list: the name has no records)."""
+
+Endpoints = dict[str, str | None]
+"""Address of each ready worker -> the node it runs on (None: the source does not say)."""
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -97,10 +105,11 @@ def _hostport(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-def spec_for(ip: str, port: int, scheme: str = "http") -> WorkerSpec:
-    """The worker a discovered address stands for: named `IP:PORT`, at `http://IP:PORT`."""
+def spec_for(ip: str, port: int, scheme: str = "http", node: str | None = None) -> WorkerSpec:
+    """The worker a discovered address stands for: named `IP:PORT`, at `http://IP:PORT`, on
+    `node` (None: wherever the fleet's `--node` map puts it)."""
     hostport = _hostport(ip, port)
-    return WorkerSpec(name=hostport, url=f"{scheme}://{hostport}")
+    return WorkerSpec(name=hostport, url=f"{scheme}://{hostport}", node=node)
 
 
 def kv_events_endpoint(spec: WorkerSpec, port: int = 5557) -> str:
@@ -122,7 +131,7 @@ async def system_resolver(host: str) -> list[str]:
 
 
 class _Source(Protocol):
-    async def addresses(self) -> list[str]: ...
+    async def endpoints(self) -> Endpoints: ...
 
 
 class _MembershipSync:
@@ -144,20 +153,36 @@ class _MembershipSync:
         self._on_added = on_added
         self._on_removed = on_removed
         self._check_new = check_new
-        self._owned: set[str] = set()
+        self._owned: dict[str, str | None] = {}
+        """Name of each worker this sync added -> the node its spec was given."""
         self._clashes: set[str] = set()
 
     @property
     def members(self) -> list[str]:
         return sorted(self._owned)
 
-    async def apply(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
+    async def apply(self, endpoints: Mapping[str, str | None]) -> tuple[list[str], list[str]]:
+        """Make the fleet's discovered workers those of `endpoints` (address -> node):
+        (names added, names removed). A worker whose node changed is in both."""
         wanted = {
             spec.name: spec
-            for spec in (spec_for(ip, self.port, self.scheme) for ip in set(addresses))
+            for spec in (
+                spec_for(ip, self.port, self.scheme, node) for ip, node in endpoints.items()
+            )
         }
+        # A moved worker leaves before it joins again under the same name; the others join
+        # before the leavers go, so the fleet never looks empty while a whole set is replaced.
+        moved = sorted(
+            name for name, node in self._owned.items() if name in wanted and wanted[name].node != node
+        )
+        for name in moved:
+            log.info(
+                "worker %s moved from node %s to node %s; it joins again with an empty cache",
+                name, self._owned.pop(name), wanted[name].node,
+            )  # fmt: skip
+            await self.fleet.remove(name)
         added: list[WorkerSpec] = []
-        for name in sorted(wanted.keys() - self._owned):
+        for name in sorted(wanted.keys() - self._owned.keys()):
             if self.fleet.get(name) is not None:
                 # A statically configured worker with the same address: leave it alone (and
                 # don't remove it later either), but say so once.
@@ -166,16 +191,18 @@ class _MembershipSync:
                     self._clashes.add(name)
                 continue
             self.fleet.add(wanted[name])
-            self._owned.add(name)
+            self._owned[name] = wanted[name].node
             added.append(wanted[name])
-        removed = sorted(self._owned - wanted.keys())
-        for name in removed:
-            self._owned.discard(name)
+        gone = sorted(self._owned.keys() - wanted.keys())
+        for name in gone:
+            del self._owned[name]
             await self.fleet.remove(name)
         self._clashes &= wanted.keys()
-        for name in removed:
+        for name in gone:
             log.info("worker %s left (no longer in discovery)", name)
-            if self._on_removed is not None:
+        removed = sorted([*moved, *gone])
+        if self._on_removed is not None:
+            for name in removed:
                 await self._on_removed(name)
         if added:
             log.info("workers joined: %s", ", ".join(s.name for s in added))
@@ -223,8 +250,8 @@ class _Poller:
     async def refresh(self) -> tuple[list[str], list[str]]:
         """One lookup and sync: (names added, names removed). Raises if the lookup fails."""
         async with self._lock:
-            addresses = await self._source.addresses()
-            result = await self._sync.apply(addresses)
+            endpoints = await self._source.endpoints()
+            result = await self._sync.apply(endpoints)
             self.last_error = None
             return result
 
@@ -264,12 +291,12 @@ class _DnsSource:
         self.host = host
         self._resolver = resolver
 
-    async def addresses(self) -> list[str]:
-        out: list[str] = []
+    async def endpoints(self) -> Endpoints:
+        out: Endpoints = {}
         for raw in await self._resolver(self.host):
             # Normalise (e.g. IPv6 zero compression) so the same pod keeps the same name,
             # and refuse non-addresses so a buggy resolver can't inject odd worker URLs.
-            out.append(str(ipaddress.ip_address(raw.split("%", 1)[0])))
+            out[str(ipaddress.ip_address(raw.split("%", 1)[0]))] = None
         return out
 
 
@@ -277,7 +304,8 @@ class DnsDiscovery(_Poller):
     """Workers = the addresses of `dns://HOST:PORT`, re-resolved every `interval_s`.
 
     `on_added(spec)` / `on_removed(name)` run after the fleet changed (e.g. to subscribe to a
-    newcomer's KV events at `kv_events_endpoint(spec)`); `check_new` health-checks newcomers at
+    newcomer's KV events at `kv_events_endpoint(spec)`), `on_removed` first for a worker that
+    left and joined again (its node changed); `check_new` health-checks newcomers at
     once so they are routable before the fleet's next health round.
     """
 
@@ -313,16 +341,17 @@ class DnsDiscovery(_Poller):
 # -- Kubernetes EndpointSlices --------------------------------------------------------------
 
 
-def endpoint_slice_addresses(
+def endpoint_slice_endpoints(
     slices: Iterable[dict[str, Any]], port: int | str
-) -> tuple[list[str], int | None]:
-    """Ready addresses in `slices` serving `port`, and the resolved port number.
+) -> tuple[Endpoints, int | None]:
+    """Ready addresses in `slices` serving `port`, each with its endpoint's `nodeName` (None
+    where the slice has none), and the resolved port number.
 
     `port` is a number (matched against the slices' port numbers) or a port name. Endpoints
     whose `conditions.ready` is false are skipped; a missing condition counts as ready, as
     the EndpointSlice API specifies.
     """
-    addresses: list[str] = []
+    endpoints: Endpoints = {}
     number: int | None = port if isinstance(port, int) else None
     for item in slices:
         ports = item.get("ports") or []
@@ -340,8 +369,23 @@ def endpoint_slice_addresses(
         for endpoint in item.get("endpoints") or []:
             if (endpoint.get("conditions") or {}).get("ready") is False:
                 continue
-            addresses.extend(str(a) for a in endpoint.get("addresses") or [])
-    return addresses, number
+            node = endpoint.get("nodeName")
+            node = str(node) if node else None
+            for address in endpoint.get("addresses") or []:
+                # An address can sit in two slices while the controller moves it; one that
+                # names its node wins, so a slice without nodeName never unplaces a worker.
+                if endpoints.get(str(address)) is None:
+                    endpoints[str(address)] = node
+    return endpoints, number
+
+
+def endpoint_slice_addresses(
+    slices: Iterable[dict[str, Any]], port: int | str
+) -> tuple[list[str], int | None]:
+    """Ready addresses in `slices` serving `port`, and the resolved port number (see
+    `endpoint_slice_endpoints`, which also says each address's node)."""
+    endpoints, number = endpoint_slice_endpoints(slices, port)
+    return list(endpoints), number
 
 
 class _EndpointSliceSource:
@@ -354,15 +398,15 @@ class _EndpointSliceSource:
         self.port = port
         self.resolved_port: int | None = port if isinstance(port, int) else None
 
-    async def addresses(self) -> list[str]:
+    async def endpoints(self) -> Endpoints:
         r = await self._client.get(self.path, params=self.params)
         r.raise_for_status()
-        addresses, number = endpoint_slice_addresses(r.json().get("items") or [], self.port)
+        endpoints, number = endpoint_slice_endpoints(r.json().get("items") or [], self.port)
         if number is not None:
             self.resolved_port = number
-        if addresses and self.resolved_port is None:
+        if endpoints and self.resolved_port is None:
             raise LookupError(f"EndpointSlice port {self.port!r} has no number")
-        return addresses
+        return endpoints
 
 
 def in_cluster_client(
@@ -405,7 +449,8 @@ def in_cluster_client(
 
 
 class EndpointSliceDiscovery(_Poller):
-    """Workers = ready endpoints of `k8s://NAMESPACE/SERVICE:PORT`, listed every `interval_s`.
+    """Workers = ready endpoints of `k8s://NAMESPACE/SERVICE:PORT`, listed every `interval_s`,
+    each on the node its endpoint's `nodeName` names (none: placed as `--node` says).
 
     Pass `client` to talk to a specific API server (tests use a fake one on loopback);
     otherwise `in_cluster_client()` is used and closed by `stop()`.
@@ -458,10 +503,10 @@ class _SlicePortSync(_MembershipSync):
         super().__init__(fleet, source.resolved_port or 0, **kwargs)
         self._source = source
 
-    async def apply(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
+    async def apply(self, endpoints: Mapping[str, str | None]) -> tuple[list[str], list[str]]:
         if self._source.resolved_port is not None:
             self.port = self._source.resolved_port
-        return await super().apply(addresses)
+        return await super().apply(endpoints)
 
 
 def make_discovery(

@@ -21,6 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvroute"
 PRODUCTION = CHART / "examples" / "production.yaml"
+MULTI_NODE = CHART / "examples" / "multi-node.yaml"
 DASHBOARD = ROOT / "helm" / "dashboards" / "kvroute.json"
 NS = "llm"
 SVC = f"{NS}.svc.cluster.local"
@@ -252,12 +253,231 @@ def test_switches_turn_features_off(helm: str) -> None:
     ]
 
 
-def test_lmcache_daemonset(helm: str) -> None:
-    docs = render(helm, "--set", "lmcache.kind=DaemonSet")
-    assert ("DaemonSet", "kvroute-lmcache") in kinds(docs)
-    assert ("Deployment", "kvroute-lmcache") not in kinds(docs)
-    # Each vLLM pod talks to its own node's server (Local Service); no pinning needed.
-    assert "affinity" not in find(docs, "StatefulSet", "kvroute-vllm")["spec"]["template"]["spec"]
+def l2_adapters(args: list[str]) -> list[dict[str, Any]]:
+    """The LMCache server's --l2-adapter specs, in order."""
+    return [json.loads(args[i + 1]) for i, a in enumerate(args) if a == "--l2-adapter"]
+
+
+POOL_TOKENS = 200 * 2**30 // 147456
+"""lmcache.maxMemoryGb (200) over lmcache.kvBytesPerToken (Qwen3-8B, bf16)."""
+
+
+@pytest.fixture(scope="module")
+def per_node(helm: str) -> list[Doc]:
+    return render(helm, "--set", "lmcache.kind=DaemonSet")
+
+
+def test_lmcache_daemonset_is_one_server_per_node(per_node: list[Doc]) -> None:
+    assert ("DaemonSet", "kvroute-lmcache") in kinds(per_node)
+    assert ("Deployment", "kvroute-lmcache") not in kinds(per_node)
+    ds = find(per_node, "DaemonSet", "kvroute-lmcache")
+    args = [str(a) for a in container(ds, "lmcache")["args"]]
+    assert flag(args, "--l1-size-gb") == "200" and "--isolated-ipc" in args
+    assert l2_adapters(args) == [], "no disk or remote tier unless asked for"
+    # Each vLLM pod reaches its own node's server through the node-local Service.
+    svc = find(per_node, "Service", "kvroute-lmcache")
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    assert svc["spec"]["selector"] == ds["spec"]["selector"]["matchLabels"]
+    sts = find(per_node, "StatefulSet", "kvroute-vllm")
+    transfer = json.loads(flag(container(sts, "vllm")["args"], "--kv-transfer-config"))
+    assert transfer["kv_connector_extra_config"]["lmcache.mp.host"] == f"tcp://kvroute-lmcache.{SVC}"
+    spec = sts["spec"]["template"]["spec"]
+    assert "affinity" not in spec, "no pinning to one server's node"
+    # The workers spread over the nodes (a preference: a full node never strands a pod).
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert (spread["maxSkew"], spread["whenUnsatisfiable"]) == (1, "ScheduleAnyway")
+    assert spread["labelSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+
+
+def test_lmcache_daemonset_router_learns_nodes(per_node: list[Doc]) -> None:
+    cfg = router_config(per_node)
+    # EndpointSlices carry each endpoint's nodeName: the only source that says which
+    # node's pool a worker loads from.
+    assert cfg["discover"] == ["k8s://llm/kvroute-vllm-headless:8000"]
+    assert cfg["pool_capacity_tokens"] == POOL_TOKENS, "the pool flag is per node"
+    assert not {"disk_capacity_tokens", "remote_capacity_tokens", "kv_bytes_per_token"} & set(cfg)
+    role = find(per_node, "Role", "kvroute-discovery")
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
+    ]
+    dep = find(per_node, "Deployment", "kvroute")
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+
+
+def test_lmcache_daemonset_goes_where_vllm_goes(helm: str) -> None:
+    gpu = ["--set", "vllm.nodeSelector.gpu=h100", "--set", "vllm.tolerations[0].key=gpu",
+           "--set", "vllm.tolerations[0].operator=Exists"]  # fmt: skip
+    docs = render(helm, "--set", "lmcache.kind=DaemonSet", *gpu)
+    spec = find(docs, "DaemonSet", "kvroute-lmcache")["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpu": "h100"}
+    assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    own = render(helm, "--set", "lmcache.kind=DaemonSet", *gpu, "--set", "lmcache.nodeSelector.pool=yes")
+    assert find(own, "DaemonSet", "kvroute-lmcache")["spec"]["template"]["spec"]["nodeSelector"] == {
+        "pool": "yes"
+    }
+    # One server: it keeps its own placement, and the workers follow it (podAffinity).
+    single = render(helm, *gpu)
+    assert "nodeSelector" not in find(single, "Deployment", "kvroute-lmcache")["spec"]["template"]["spec"]
+
+
+def test_lmcache_daemonset_spread_can_be_replaced(helm: str) -> None:
+    docs = render(
+        helm, "--set", "lmcache.kind=DaemonSet",
+        "--set", "vllm.topologySpreadConstraints[0].maxSkew=2",
+        "--set", "vllm.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+        "--set", "vllm.topologySpreadConstraints[0].whenUnsatisfiable=DoNotSchedule",
+    )  # fmt: skip
+    spec = find(docs, "StatefulSet", "kvroute-vllm")["spec"]["template"]["spec"]
+    assert spec["topologySpreadConstraints"] == [
+        {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    ]
+
+
+@pytest.mark.parametrize("mode", ["dns", "static"])
+def test_lmcache_daemonset_refuses_discovery_without_nodes(helm: str, mode: str) -> None:
+    proc = run_template(helm, "--set", "lmcache.kind=DaemonSet", "--set", f"router.discovery.mode={mode}")
+    assert proc.returncode != 0
+    assert "lmcache.kind=DaemonSet needs router.discovery.mode k8s or auto" in proc.stderr
+    explicit = render(helm, "--set", "lmcache.kind=DaemonSet", "--set", "router.discovery.mode=k8s")
+    assert router_config(explicit)["discover"] == ["k8s://llm/kvroute-vllm-headless:8000"]
+
+
+def test_deployment_mode_is_one_node(helm: str, default: list[Doc]) -> None:
+    assert find(default, "Deployment", "kvroute-lmcache")["spec"]["replicas"] == 1
+    args = container(find(default, "Deployment", "kvroute-lmcache"), "lmcache")["args"]
+    assert l2_adapters(args) == []
+    spec = find(default, "StatefulSet", "kvroute-vllm")["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in spec
+    assert set(spec["affinity"]) == {"podAffinity"}
+    cfg = router_config(default)
+    assert cfg["discover"] == [f"dns://kvroute-vllm-headless.{SVC}:8000"]
+    assert not {"disk_capacity_tokens", "remote_capacity_tokens", "kv_bytes_per_token"} & set(cfg)
+    # auto means dns here: the same chart as naming dns.
+    assert default == render(helm, "--set", "router.discovery.mode=dns")
+
+
+REMOTE = [
+    "--set", "lmcache.remote.enabled=true",
+    "--set", "lmcache.remote.url=redis://lmcache-kv.llm.svc:6380",
+    "--set", "lmcache.remote.capacityTokens=50000000",
+    "--set", "lmcache.remote.gbps=25",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["DaemonSet", "Deployment"])
+def test_remote_tier(helm: str, kind: str) -> None:
+    docs = render(helm, "--set", f"lmcache.kind={kind}", *REMOTE)
+    c = container(find(docs, kind, "kvroute-lmcache"), "lmcache")
+    # LMCache's MP server takes its tiers as L2 adapters: Redis is the resp adapter, marked
+    # shared (every node's server reads and writes the same store).
+    assert l2_adapters(c["args"]) == [
+        {"type": "resp", "host": "lmcache-kv.llm.svc", "port": 6380, "shared": True}
+    ]
+    assert "LMCACHE_RESP_PASSWORD" not in env(c)
+    cfg = router_config(docs)
+    assert cfg["remote_capacity_tokens"] == 50_000_000
+    assert cfg["remote_gbps"] == 25
+    assert cfg["kv_bytes_per_token"] == 147456, "remote loads are priced from the KV size"
+    assert cfg["pool_capacity_tokens"] == POOL_TOKENS
+    assert "disk_capacity_tokens" not in cfg
+
+
+def test_remote_tier_options(helm: str) -> None:
+    docs = render(
+        helm, "--set", "lmcache.kind=DaemonSet", *REMOTE,
+        "--set", "lmcache.remote.existingSecret=lmcache-kv", "--set", "lmcache.remote.adapter.num_workers=16",
+        "--set", "lmcache.remote.adapter.serde.type=fp8",
+    )  # fmt: skip
+    c = container(find(docs, "DaemonSet", "kvroute-lmcache"), "lmcache")
+    (spec,) = l2_adapters(c["args"])
+    assert (spec["type"], spec["num_workers"], spec["serde"]) == ("resp", 16, {"type": "fp8"})
+    assert "password" not in spec, "the password stays in its Secret"
+    assert env(c)["LMCACHE_RESP_PASSWORD"] == {
+        "secretKeyRef": {"name": "lmcache-kv", "key": "password"}
+    }
+    # Another store: its adapter spec alone; the port defaults to Redis'.
+    s3 = render(
+        helm, "--set", "lmcache.remote.enabled=true", "--set", "lmcache.remote.capacityTokens=9",
+        "--set", "lmcache.remote.adapter.type=s3", "--set", "lmcache.remote.adapter.bucket=kv",
+    )  # fmt: skip
+    args = container(find(s3, "Deployment", "kvroute-lmcache"), "lmcache")["args"]
+    assert l2_adapters(args) == [{"type": "s3", "bucket": "kv", "shared": True}]
+    assert "remote_gbps" not in router_config(s3), "the router's default bandwidth"
+    plain = render(
+        helm, "--set", "lmcache.remote.enabled=true", "--set", "lmcache.remote.capacityTokens=9",
+        "--set", "lmcache.remote.url=redis://10.0.0.7",
+    )  # fmt: skip
+    args = container(find(plain, "Deployment", "kvroute-lmcache"), "lmcache")["args"]
+    assert l2_adapters(args)[0]["port"] == 6379
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (["--set", "lmcache.remote.url=redis://r:6379"], "needs lmcache.remote.capacityTokens"),
+        (["--set", "lmcache.remote.capacityTokens=9"], "needs lmcache.remote.url"),
+        (["--set", "lmcache.remote.capacityTokens=9", "--set", "lmcache.remote.url=lm://r:65432"],
+         "must be redis://HOST:PORT"),
+        (["--set", "lmcache.remote.capacityTokens=9", "--set", "lmcache.remote.url=redis://:pw@r:6379"],
+         "must not carry credentials"),
+        (["--set", "lmcache.remote.capacityTokens=9", "--set", "lmcache.remote.url=redis://r:6379/2"],
+         "no database number"),
+    ],
+)  # fmt: skip
+def test_remote_tier_refuses(helm: str, bad: list[str], why: str) -> None:
+    proc = run_template(helm, "--set", "lmcache.remote.enabled=true", *bad)
+    assert proc.returncode != 0 and why in proc.stderr, proc.stderr
+
+
+def test_disk_tier(helm: str) -> None:
+    docs = render(
+        helm, "--set", "lmcache.kind=DaemonSet", "--set", "lmcache.disk.enabled=true",
+        "--set", "lmcache.disk.sizeGb=1000", "--set", "lmcache.disk.gbytesPerSecond=3.5", *REMOTE,
+    )  # fmt: skip
+    ds = find(docs, "DaemonSet", "kvroute-lmcache")
+    c = container(ds, "lmcache")
+    disk, remote = l2_adapters(c["args"])  # the node's disk is asked before the network
+    assert disk == {
+        "type": "fs_native",
+        "base_path": "/var/lib/lmcache/disk",
+        "max_capacity_gb": 1000,
+        "eviction": {"eviction_policy": "LRU"},
+    }
+    assert remote["type"] == "resp"
+    assert mounts(c)["/var/lib/lmcache/disk"] == "disk"
+    assert volumes(ds)["disk"]["emptyDir"] == {"sizeLimit": "1000Gi"}
+    cfg = router_config(docs)
+    assert cfg["disk_capacity_tokens"] == 1000 * 2**30 // 147456
+    assert cfg["disk_gbytes_s"] == 3.5
+    assert cfg["remote_capacity_tokens"] == 50_000_000
+
+    nvme = render(
+        helm, "--set", "lmcache.disk.enabled=true", "--set", "lmcache.disk.capacityTokens=123",
+        "--set", "lmcache.disk.volume.hostPath.path=/mnt/nvme", "--set", "lmcache.disk.path=/kv",
+    )  # fmt: skip
+    dep = find(nvme, "Deployment", "kvroute-lmcache")
+    assert volumes(dep)["disk"] == {"name": "disk", "hostPath": {"path": "/mnt/nvme"}}
+    assert l2_adapters(container(dep, "lmcache")["args"])[0]["base_path"] == "/kv"
+    assert router_config(nvme)["disk_capacity_tokens"] == 123
+    assert "disk_gbytes_s" not in router_config(nvme)
+
+
+def test_multi_node_example(helm: str) -> None:
+    docs = render(helm, "-f", str(MULTI_NODE))
+    ds = find(docs, "DaemonSet", "kvroute-lmcache")
+    assert [a["type"] for a in l2_adapters(container(ds, "lmcache")["args"])] == ["fs_native", "resp"]
+    assert volumes(ds)["disk"]["hostPath"]["path"] == "/mnt/nvme/lmcache"
+    assert ds["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    sts = find(docs, "StatefulSet", "kvroute-vllm")
+    assert sts["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+    cfg = router_config(docs)
+    assert cfg["discover"] == ["k8s://llm/kvroute-vllm-headless:8000"]
+    assert {k: cfg[k] for k in ("disk_gbytes_s", "remote_gbps", "remote_capacity_tokens")} == {
+        "disk_gbytes_s": 6, "remote_gbps": 100, "remote_capacity_tokens": 2**40 // 147456,
+    }  # fmt: skip
 
 
 # -- router ----------------------------------------------------------------------------------
@@ -491,6 +711,11 @@ def test_production_example(production: list[Doc]) -> None:
         "vllm.tensorParallelSize=0",
         "redis.mode=cluster",
         "lmcache.kind=StatefulSet",
+        "lmcache.disk.sizeGb=0",
+        "lmcache.disk.path=relative",
+        "lmcache.remote.gbps=0",
+        "lmcache.remote.capacityToken=5",
+        "router.discovery.mode=nodes",
         "router.discovery.mode=consul",
         "router.auth.apiKeys={short}",
     ],
@@ -504,7 +729,7 @@ def test_schema_rejects_bad_values(helm: str, bad: str) -> None:
 
 
 def test_lint_passes(helm: str) -> None:
-    for extra in ([], ["-f", str(PRODUCTION)]):
+    for extra in ([], ["-f", str(PRODUCTION)], ["-f", str(MULTI_NODE)]):
         proc = subprocess.run(
             [helm, "lint", "--strict", str(CHART), *extra],
             capture_output=True,
@@ -582,6 +807,7 @@ TOKENIZER = "/models/qwen3-8b"
         ["-f", str(PRODUCTION)],
         ["--set", "router.discovery.mode=static"],
         ["--set", "router.discovery.mode=k8s", "--set", "lmcache.enabled=false"],
+        ["-f", str(MULTI_NODE)],
         ["--set", "redis.mode=external", "--set", "redis.external.url=redis://127.0.0.1:6379/3"],
         ["--set", "router.discovery.mode=static", "--set", f"router.precise.tokenizer={TOKENIZER}",
          "--set", "router.precise.hashSeed=7", "--set", "router.kvEvents={ext=tcp://10.0.0.9:5557}"],
@@ -661,3 +887,6 @@ def test_notes_tell_how_to_reach_the_endpoint(helm: str, tmp_path: Path) -> None
     prod = render_notes(helm, tmp_path / "prod", "-f", str(PRODUCTION))
     assert "status.loadBalancer.ingress" in prod and "port-forward" not in prod
     assert "kubectl get secret -n llm kvroute-auth" in prod and "No API keys" not in prod
+    assert "EndpointSlices" not in notes
+    per_node = render_notes(helm, tmp_path / "per-node", "--set", "lmcache.kind=DaemonSet")
+    assert "kubectl get endpointslices -n llm -l kubernetes.io/service-name=kvroute-vllm-headless" in per_node

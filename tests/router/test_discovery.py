@@ -18,12 +18,14 @@ import httpx
 import pytest
 
 from cache_client.memory import MemoryIndex
+from cache_client.tiers import DEFAULT_NODE
 from normalizer.prefix import PrefixKey
 from router.discovery import (
     DiscoveryTarget,
     DnsDiscovery,
     EndpointSliceDiscovery,
     endpoint_slice_addresses,
+    endpoint_slice_endpoints,
     in_cluster_client,
     kv_events_endpoint,
     make_discovery,
@@ -114,6 +116,7 @@ def test_parse_rejects(bad: str) -> None:
 def test_worker_names_and_endpoints() -> None:
     assert spec_for("127.0.0.5", 8000) == WorkerSpec("127.0.0.5:8000", "http://127.0.0.5:8000")
     assert spec_for("::1", 8000) == WorkerSpec("[::1]:8000", "http://[::1]:8000")
+    assert spec_for("127.0.0.5", 8000, node="gpu-1").node == "gpu-1"
     assert kv_events_endpoint(spec_for("127.0.0.5", 8000)) == "tcp://127.0.0.5:5557"
     assert kv_events_endpoint(spec_for("::1", 8000), 6000) == "tcp://[::1]:6000"
 
@@ -140,6 +143,7 @@ async def test_workers_join_and_leave_without_restart(setup: Any) -> None:
             "127.0.0.3:8000",
         ]
         assert fleet.get("127.0.0.2:8000").url == "http://127.0.0.2:8000"
+        assert fleet.get("127.0.0.2:8000").node == DEFAULT_NODE, "DNS does not say where pods run"
 
         await index.record("127.0.0.2:8000", keys(1, 2), [100, 100])
         await index.record("127.0.0.3:8000", keys(1, 2), [100, 100])
@@ -290,14 +294,26 @@ async def test_system_resolver_does_not_block_the_loop(monkeypatch: pytest.Monke
 # -- EndpointSlices ------------------------------------------------------------------------
 
 
-def slice_doc(ready: dict[str, bool], port: int = 8000, name: str = "http") -> dict[str, Any]:
+def slice_doc(
+    ready: dict[str, bool],
+    port: int = 8000,
+    name: str = "http",
+    nodes: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """An EndpointSlice as the API server lists it; `nodes` gives endpoints their nodeName."""
+    endpoints: list[dict[str, Any]] = []
+    for ip, ok in ready.items():
+        endpoint: dict[str, Any] = {"addresses": [ip], "conditions": {"ready": ok}}
+        if nodes and ip in nodes:
+            endpoint["nodeName"] = nodes[ip]
+        endpoints.append(endpoint)
     return {
         "addressType": "IPv4",
         "ports": [
             {"name": name, "port": port, "protocol": "TCP"},
             {"name": "kv-events", "port": 5557},
         ],
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": ok}} for ip, ok in ready.items()],
+        "endpoints": endpoints,
     }
 
 
@@ -310,6 +326,24 @@ def test_endpoint_slice_addresses() -> None:
     assert endpoint_slice_addresses(slices, "http") == (["127.0.0.2"], 8000)
     assert endpoint_slice_addresses(slices, 9999) == (["127.0.0.9"], 9999)  # no condition = ready
     assert endpoint_slice_addresses(slices, "grpc") == ([], None)
+
+
+def test_endpoint_slice_endpoints_carry_node_names() -> None:
+    slices = [
+        slice_doc(
+            {"127.0.0.2": True, "127.0.0.3": True, "127.0.0.4": False, "127.0.0.5": True},
+            nodes={"127.0.0.2": "gpu-a", "127.0.0.3": "gpu-b", "127.0.0.4": "gpu-a"},
+        ),
+        # The controller moving .5 between slices: the copy naming its node wins.
+        slice_doc({"127.0.0.5": True}, nodes={"127.0.0.5": "gpu-b"}),
+    ]
+    endpoints, port = endpoint_slice_endpoints(slices, "http")
+    assert port == 8000
+    assert endpoints == {"127.0.0.2": "gpu-a", "127.0.0.3": "gpu-b", "127.0.0.5": "gpu-b"}
+    assert endpoint_slice_endpoints([slice_doc({"127.0.0.2": True})], 8000) == (
+        {"127.0.0.2": None},
+        8000,
+    ), "no nodeName: no node"
 
 
 class FakeApiServer:
@@ -477,3 +511,79 @@ async def test_start_discovery_is_what_the_app_calls(
         assert [w.name for w in fleet.candidates(MODEL)] == ["127.0.0.7:8001"]
     finally:
         await disc.stop()
+
+
+async def test_endpoint_slice_discovery_places_workers_on_their_nodes(
+    api_server: FakeApiServer, tmp_path: Path
+) -> None:
+    index = MemoryIndex()
+    health = httpx.AsyncClient(transport=httpx.MockTransport(fake_vllm))
+    # .4 has no nodeName in its slice: the fleet's --node map places it, as for a DNS worker.
+    fleet = Fleet(
+        [], health, health_interval_s=3600, on_down=index.drop_location,
+        nodes={"127.0.0.4:8000": "from-flag"},
+    )  # fmt: skip
+    token_file = tmp_path / "token"
+    token_file.write_text("token-1")
+    client = in_cluster_client(
+        api_server=api_server.url, token_path=token_file, ca_path=api_server.cert
+    )
+    events: list[str] = []
+
+    async def on_added(spec: WorkerSpec) -> None:
+        events.append(f"+{spec.name}@{spec.node}")
+
+    async def on_removed(name: str) -> None:
+        events.append(f"-{name}")
+
+    api_server.slices = [
+        slice_doc(
+            {"127.0.0.2": True, "127.0.0.3": True, "127.0.0.4": True, "127.0.0.5": True},
+            nodes={"127.0.0.2": "gpu-a", "127.0.0.3": "gpu-a", "127.0.0.5": "gpu-b"},
+        )
+    ]
+    disc = EndpointSliceDiscovery(
+        fleet, "k8s://llm/vllm:http", interval_s=3600, client=client,
+        on_added=on_added, on_removed=on_removed,
+    )  # fmt: skip
+    try:
+        await disc.start()
+        nodes = {w.name: w.node for w in fleet}
+        assert nodes == {
+            "127.0.0.2:8000": "gpu-a",
+            "127.0.0.3:8000": "gpu-a",
+            "127.0.0.4:8000": "from-flag",
+            "127.0.0.5:8000": "gpu-b",
+        }
+        await index.record("127.0.0.2:8000", keys(1), [10])
+        await index.record("127.0.0.3:8000", keys(1), [10])
+
+        # .2's address now belongs to a pod on gpu-b (rescheduled, address reused); .4's
+        # slice learns its node too. Both leave and join again; .3 and .5 are untouched.
+        events.clear()
+        moved = {"127.0.0.2": "gpu-b", "127.0.0.3": "gpu-a", "127.0.0.4": "gpu-c", "127.0.0.5": "gpu-b"}
+        api_server.slices = [slice_doc(dict.fromkeys(moved, True), nodes=moved)]
+        added, removed = await disc.refresh()
+        assert added == removed == ["127.0.0.2:8000", "127.0.0.4:8000"]
+        assert events == [
+            "-127.0.0.2:8000",
+            "-127.0.0.4:8000",
+            "+127.0.0.2:8000@gpu-b",
+            "+127.0.0.4:8000@gpu-c",
+        ], "the old worker is gone before the new one is announced"
+        assert fleet.get("127.0.0.2:8000").node == "gpu-b"
+        assert fleet.get("127.0.0.4:8000").node == "gpu-c"
+        assert fleet.get("127.0.0.2:8000").healthy, "the newcomer is health-checked at once"
+        view = await index.lookup(keys(1))
+        assert view.depth("127.0.0.2:8000") == 0, "a moved worker's index entries are dropped"
+        assert view.depth("127.0.0.3:8000") == 1
+        assert disc.members == [f"127.0.0.{i}:8000" for i in (2, 3, 4, 5)]
+
+        # Nothing changed: nothing leaves or joins.
+        events.clear()
+        assert await disc.refresh() == ([], [])
+        assert events == []
+    finally:
+        await disc.stop()
+        await client.aclose()
+        await health.aclose()

@@ -90,6 +90,52 @@ app.kubernetes.io/part-of: kvroute
 {{- dict "kv_connector" "LMCacheMPConnector" "kv_role" "kv_both" "kv_connector_extra_config" $extra | toJson -}}
 {{- end -}}
 
+{{/* Whether each node runs its own LMCache server (lmcache.kind=DaemonSet): a pool per
+     node, which the router tells apart only by each worker's node. */}}
+{{- define "kvroute.lmcache.perNode" -}}
+{{- if and .Values.lmcache.enabled (eq .Values.lmcache.kind "DaemonSet") -}}true{{- end -}}
+{{- end -}}
+
+{{/* LMCache's disk tier: its fs_native L2 adapter on the pod's disk volume, bounded by
+     sizeGb (max_capacity_gb counts usage; the eviction block is what enforces it). */}}
+{{- define "kvroute.lmcache.diskAdapter" -}}
+{{- $d := .Values.lmcache.disk -}}
+{{- $spec := dict "type" "fs_native" "base_path" $d.path "max_capacity_gb" $d.sizeGb "eviction" (dict "eviction_policy" "LRU") -}}
+{{- mergeOverwrite $spec (deepCopy ($d.adapter | default dict)) | toJson -}}
+{{- end -}}
+
+{{/* LMCache's remote tier, an L2 adapter every node's server shares: from a redis:// URL
+     (the resp adapter), with lmcache.remote.adapter merged over it or standing alone. The
+     MP server takes its tiers as --l2-adapter specs, not the in-process engine's
+     remote_url, so other stores (s3, valkey, mooncake_store, a shared fs_native, ...) are
+     given as their adapter spec. */}}
+{{- define "kvroute.lmcache.remoteAdapter" -}}
+{{- $rm := .Values.lmcache.remote -}}
+{{- $spec := dict "shared" true -}}
+{{- with $rm.url -}}
+{{- $u := urlParse . -}}
+{{- if ne $u.scheme "redis" -}}
+{{- fail (printf "lmcache.remote.url must be redis://HOST:PORT (LMCache's resp adapter), not %q: set lmcache.remote.adapter for other stores" .) -}}
+{{- end -}}
+{{- if $u.userinfo -}}
+{{- fail "lmcache.remote.url must not carry credentials (they would show in the pod spec): set lmcache.remote.existingSecret" -}}
+{{- end -}}
+{{- if not (has $u.path (list "" "/")) -}}
+{{- fail (printf "lmcache.remote.url: LMCache's resp adapter has no database number (%s)" $u.path) -}}
+{{- end -}}
+{{- $port := regexFind ":[0-9]+$" $u.host -}}
+{{- $host := trimSuffix $port $u.host | trimPrefix "[" | trimSuffix "]" -}}
+{{- $_ := set $spec "type" "resp" -}}
+{{- $_ := set $spec "host" $host -}}
+{{- $_ := set $spec "port" (int (trimPrefix ":" $port | default "6379")) -}}
+{{- end -}}
+{{- $spec = mergeOverwrite $spec (deepCopy ($rm.adapter | default dict)) -}}
+{{- if not (hasKey $spec "type") -}}
+{{- fail "lmcache.remote.enabled needs lmcache.remote.url (redis://HOST:PORT) or lmcache.remote.adapter (an LMCache L2 adapter spec with a type)" -}}
+{{- end -}}
+{{- toJson $spec -}}
+{{- end -}}
+
 {{- define "kvroute.vllm.kvEventsConfig" -}}
 {{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.vllm.kvEvents.port)) "topic" .Values.vllm.kvEvents.topic | toJson -}}
 {{- end -}}
@@ -108,6 +154,28 @@ app.kubernetes.io/part-of: kvroute
 {{- printf "%s:%s" $repository (toString (default .default .image.tag)) -}}
 {{- end -}}
 
+{{/* How the router finds the vLLM workers. auto: k8s:// with one LMCache server per node
+     (EndpointSlices say each worker's node, and so which pool it loads from), else dns://.
+     DNS and static names cannot say where a pod runs: with a pool per node they would let
+     the router count on one node's pool for a worker on another, so they are refused. */}}
+{{- define "kvroute.router.discoveryMode" -}}
+{{- $mode := .Values.router.discovery.mode -}}
+{{- $perNode := include "kvroute.lmcache.perNode" . -}}
+{{- if eq $mode "auto" -}}
+{{- ternary "k8s" "dns" (eq $perNode "true") -}}
+{{- else -}}
+{{- if and $perNode .Values.vllm.enabled (ne $mode "k8s") -}}
+{{- fail (printf "lmcache.kind=DaemonSet needs router.discovery.mode k8s or auto, not %s: only EndpointSlices tell the router which node (and LMCache pool) each worker is on" $mode) -}}
+{{- end -}}
+{{- $mode -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the router talks to the API server (k8s:// discovery of the chart's workers). */}}
+{{- define "kvroute.router.usesApi" -}}
+{{- if and .Values.vllm.enabled (eq (include "kvroute.router.discoveryMode" .) "k8s") -}}true{{- end -}}
+{{- end -}}
+
 {{/* The router's config file: keys are `kvroute serve` flag names with underscores. */}}
 {{- define "kvroute.router.config" -}}
 {{- $r := .Values.router -}}
@@ -115,7 +183,7 @@ app.kubernetes.io/part-of: kvroute
 {{- $workers := list -}}
 {{- $kvEvents := list -}}
 {{- if .Values.vllm.enabled -}}
-{{- $mode := $r.discovery.mode -}}
+{{- $mode := include "kvroute.router.discoveryMode" . -}}
 {{- if eq $mode "dns" -}}
 {{- $_ := set $cfg "discover" (list (printf "dns://%s.%s:%d" (include "kvroute.vllm.headless" .) (include "kvroute.svcDomain" .) (int .Values.vllm.port))) -}}
 {{- else if eq $mode "k8s" -}}
@@ -146,12 +214,28 @@ app.kubernetes.io/part-of: kvroute
 {{- if $kvEvents -}}{{- $_ := set $cfg "kv_events" $kvEvents -}}{{- end -}}
 {{- end -}}
 {{- if $r.kvCapacityTokens -}}{{- $_ := set $cfg "kv_capacity_tokens" (int64 $r.kvCapacityTokens) -}}{{- end -}}
+{{- $lm := .Values.lmcache -}}
 {{- if $r.poolCapacityTokens -}}
 {{- $_ := set $cfg "pool_capacity_tokens" (int64 $r.poolCapacityTokens) -}}
-{{- else if .Values.lmcache.enabled -}}
-{{- /* Tell the router the shared pool exists and how many tokens it holds: without it
-       the router never counts on a pool hit. */ -}}
-{{- $_ := set $cfg "pool_capacity_tokens" (div (mul (int64 .Values.lmcache.maxMemoryGb) 1073741824) (int64 .Values.lmcache.kvBytesPerToken)) -}}
+{{- else if $lm.enabled -}}
+{{- /* Tell the router each node's pool exists and how many tokens it holds (one server,
+       or one per node: the flag is per node either way): without it the router never
+       counts on a pool hit. */ -}}
+{{- $_ := set $cfg "pool_capacity_tokens" (div (mul (int64 $lm.maxMemoryGb) 1073741824) (int64 $lm.kvBytesPerToken)) -}}
+{{- end -}}
+{{- if and $lm.enabled $lm.disk.enabled -}}
+{{- $tokens := $lm.disk.capacityTokens | default (div (mul (int64 $lm.disk.sizeGb) 1073741824) (int64 $lm.kvBytesPerToken)) -}}
+{{- $_ := set $cfg "disk_capacity_tokens" (int64 $tokens) -}}
+{{- if $lm.disk.gbytesPerSecond -}}{{- $_ := set $cfg "disk_gbytes_s" (float64 $lm.disk.gbytesPerSecond) -}}{{- end -}}
+{{- end -}}
+{{- if and $lm.enabled $lm.remote.enabled -}}
+{{- /* A remote store's size is not LMCache's to know (Redis' maxmemory, a bucket): say it. */ -}}
+{{- $_ := set $cfg "remote_capacity_tokens" (int64 (required "lmcache.remote.enabled needs lmcache.remote.capacityTokens (how many tokens of KV the remote store holds)" $lm.remote.capacityTokens)) -}}
+{{- if $lm.remote.gbps -}}{{- $_ := set $cfg "remote_gbps" (float64 $lm.remote.gbps) -}}{{- end -}}
+{{- end -}}
+{{- if and $lm.enabled (or $lm.disk.enabled $lm.remote.enabled) -}}
+{{- /* Disk and remote loads are priced from their bandwidth and the model's KV size. */ -}}
+{{- $_ := set $cfg "kv_bytes_per_token" (int64 $lm.kvBytesPerToken) -}}
 {{- end -}}
 {{- $redis := include "kvroute.redisUrl" . -}}
 {{- if $redis -}}{{- $_ := set $cfg "redis" $redis -}}{{- end -}}
