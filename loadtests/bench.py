@@ -19,6 +19,14 @@ through it with the streaming client (`loadtests.harness`). It writes `DIR/resul
 `DIR/ttft_by_turn.png` and the routers' logs under `DIR/logs/`. The last line printed on
 stdout is a one-line JSON summary.
 
+Nodes. `--nodes M` splits the simulated workers in order over M nodes, each with its own
+LMCache pool (and, with `--disk-capacity-tokens` / `--remote-capacity-tokens`, a disk tier
+per node and a remote tier every node reads). kvroute entries are told the topology
+(`--node` flags); `NAME+onepool` runs kvroute as if the fleet had one pool every worker
+reaches (no `--node` flags: the model a one-node router has); peers see workers only.
+results.json reports, per router, the workers' hits split by the tier that served them,
+and for kvroute its predicted cached and copied tokens against those.
+
 The shared pool. The incident's fleet was vLLM behind a random load balancer, with no
 LMCache; the fix was cache-aware routing plus a shared LMCache CPU pool. So a router entry
 says whether its cluster has the pool: cache-blind policies (`random`, `round_robin`,
@@ -66,6 +74,7 @@ from loadtests.peers import PEERS, PeerRouter, parse_peer, result_key
 from loadtests.plots import capacity_curve, plot_or_log, ttft_by_turn, ttft_cdf
 from loadtests.processes import stop_children_on_signals
 from loadtests.routerproc import RouterProcess
+from loadtests.sim.cluster import node_flags, topology
 from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, build_cost_model
 from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS as POOL_CAPACITY_TOKENS
 from loadtests.workload import SCENARIOS, Rates, Workload, build_workload, derive_rates
@@ -111,6 +120,9 @@ class Entry:
     prefill_queue: int = 0
     """kvroute with the prefill queue: `--prefill-queue-tokens` set to this (0: off);
     `cache_aware+queue` sets the simulated engines' step budget, `cache_aware+queueN` N."""
+    one_pool: bool = False
+    """kvroute told nothing of the nodes (`NAME+onepool`): it takes every pool for one that
+    every worker reaches, as a router without topology does."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -119,6 +131,9 @@ def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
     if item.endswith("-nopool"):
         return item[: -len("-nopool")], False
     return item, None
+
+
+ONE_POOL_SUFFIX = "+onepool"
 
 
 def _split_queue_suffix(item: str) -> tuple[str, int]:
@@ -133,13 +148,14 @@ def parse_entries(policies: str, peers: str) -> list[Entry]:
     entries: list[Entry] = []
     for raw in (p.strip() for p in policies.split(",") if p.strip()):
         named, pool = _split_pool_suffix(raw)
-        base, queue = _split_queue_suffix(named)
+        one_pool = named.endswith(ONE_POOL_SUFFIX)
+        base, queue = _split_queue_suffix(named.removesuffix(ONE_POOL_SUFFIX))
         name, variant = cost_learning.split_variant(base)
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         default = name not in CACHE_BLIND
         pool = default if pool is None else pool
-        entries.append(Entry(named if pool == default else raw, "kvroute", name, None, pool, variant, queue))
+        entries.append(Entry(named if pool == default else raw, "kvroute", name, None, pool, variant, queue, one_pool))
     for raw in (p.strip() for p in peers.split(",") if p.strip()):
         name, pool = _split_pool_suffix(raw)
         for peer, policy in parse_peer(name):
@@ -209,6 +225,27 @@ class RunSetup:
     speeds: list[float] | None = None
     """Each simulated worker's speed (None: all at the profile's)."""
     speed_changes: tuple[cost_learning.SpeedChange, ...] = ()
+    nodes: int = 1
+    """Nodes the workers are split over in order, each with its own pool."""
+    disk_capacity_tokens: int = 0
+    """Each node's disk tier (0: none)."""
+    remote_capacity_tokens: int = 0
+    """The remote tier every node reads (0: none)."""
+    remote_gbps: float | None = None
+    """The remote tier's bandwidth (None: the simulator's and the router's default)."""
+
+    def tier_args(self, pool: bool) -> list[str]:
+        """The slower tiers' flags, the same for the simulator and kvroute."""
+        if not pool:
+            return []
+        args = []
+        if self.disk_capacity_tokens:
+            args += ["--disk-capacity-tokens", str(self.disk_capacity_tokens)]
+        if self.remote_capacity_tokens:
+            args += ["--remote-capacity-tokens", str(self.remote_capacity_tokens)]
+            if self.remote_gbps is not None:
+                args += ["--remote-gbps", str(self.remote_gbps)]
+        return args
 
 
 def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
@@ -219,6 +256,9 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
     ]  # fmt: skip
     if entry.policy == "random" and entry.kind != "peer" and setup.seed is not None:
         args += ["--random-seed", str(setup.seed)]
+    if setup.nodes > 1 and not entry.one_pool:
+        args += node_flags(topology(setup.workers, setup.nodes))
+    args += setup.tier_args(entry.pool)
     if entry.prefill_queue:
         args += ["--prefill-queue-tokens", str(entry.prefill_queue)]
     if entry.cost is not None:
@@ -241,6 +281,7 @@ async def run_entry(
 ) -> tuple[dict[str, Any], RunOutcome]:
     from loadtests.sim.cluster import SimCluster
 
+    tiers = setup.tier_args(entry.pool)
     cluster = SimCluster(
         workers=setup.workers,
         time_scale=setup.time_scale,
@@ -253,8 +294,9 @@ async def run_entry(
         pool_in_process=True,
         # The workload replays scripted replies and sizes each turn's output with max_tokens:
         # a simulated tool call on "auto" would cut generations short of the trace's lengths.
-        extra_args=["--auto-tool-calls", "text"],
+        extra_args=["--auto-tool-calls", "text", *tiers],
         speeds=setup.speeds,
+        nodes=setup.nodes,
     )
     await asyncio.to_thread(cluster.start)
     router: RouterProcess | PeerRouter
@@ -373,6 +415,27 @@ async def _measure(
     return summary, outcome
 
 
+COPIED = "kvroute_predicted_copied_tokens_total"
+
+
+def tier_split(delta: dict[str, float], cached_pred: float | None, copied_pred: dict[str, float]) -> dict[str, Any]:
+    """The workers' reused prompt tokens by the tier that served them (GPU, their node's pool
+    or disk, the remote tier) and as shares of the prompt tokens; for kvroute, the cached
+    and copied tokens it predicted beside them."""
+    queries = delta.get("vllm:prefix_cache_queries_total", 0.0)
+    served = {tier: delta.get(f"cached:{tier}", 0.0) for tier in harness.TIERS}
+    out: dict[str, Any] = {
+        "worker_cached_tokens_by_tier": served,
+        "worker_hit_ratio_by_tier": {t: v / queries for t, v in served.items()} if queries else None,
+    }
+    if cached_pred is not None:
+        reported = sum(served.values())
+        out["predicted_cached_tokens"] = cached_pred
+        out["predicted_copied_tokens_by_tier"] = copied_pred
+        out["predicted_over_reported_cached"] = cached_pred / reported if reported else None
+    return out
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -401,6 +464,7 @@ def summarize(
     first_half = [r.ttft_s for r in ok if r.ttft_s is not None and r.sent_s < middle]
     second_half = [r.ttft_s for r in ok if r.ttft_s is not None and r.sent_s >= middle]
     prompt = cached_pred = held = None
+    copied_pred: dict[str, float] = {}
     reasons: dict[str, float] = {}
     if entry.kind == "kvroute":
 
@@ -410,6 +474,10 @@ def summarize(
         held = router_delta("kvroute_prefill_queue_held_total")
         prompt = router_delta("kvroute_prompt_tokens_total")
         cached_pred = router_delta("kvroute_predicted_cached_tokens_total")
+        copied_pred = {
+            tier: metric_sum(router_after, COPIED, tier=tier) - metric_sum(router_before, COPIED, tier=tier)
+            for tier in harness.COPY_TIERS
+        }
         for labels, value in router_after.get("kvroute_requests_total", []):
             reasons[labels.get("reason", "?")] = reasons.get(labels.get("reason", "?"), 0.0) + value
         for labels, value in router_before.get("kvroute_requests_total", []):
@@ -443,6 +511,7 @@ def summarize(
         "sessions_started": outcome.sessions_started,
         "predicted_hit_ratio": (cached_pred / prompt) if prompt else None,
         "worker_hit_ratio": worker_hit_ratio(delta),
+        **tier_split(delta, cached_pred, copied_pred),
         "worker_gpu_hit_ratio": (
             delta.get("vllm:prefix_cache_hits_total", 0.0) / delta["vllm:prefix_cache_queries_total"]
             if delta.get("vllm:prefix_cache_queries_total")
@@ -611,6 +680,13 @@ def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     peers_p99 = [r["ttft_p99_s"] for r in routers.values() if r["kind"] == "peer" and r["ttft_p99_s"] is not None]
     if peers_p99:
         out["cache_aware_p99_over_best_peer_p99"] = _ratio(ca["ttft_p99_s"], min(peers_p99))
+    peers_mean = [r["ttft_mean_s"] for r in routers.values() if r["kind"] == "peer" and r["ttft_mean_s"] is not None]
+    if peers_mean:
+        out["cache_aware_mean_over_best_peer_mean"] = _ratio(ca["ttft_mean_s"], min(peers_mean))
+    one_pool = routers.get("cache_aware" + ONE_POOL_SUFFIX)
+    if one_pool is not None:
+        out["cache_aware_over_onepool_ttft_mean"] = _ratio(ca["ttft_mean_s"], one_pool["ttft_mean_s"])
+        out["cache_aware_over_onepool_ttft_p99"] = _ratio(ca["ttft_p99_s"], one_pool["ttft_p99_s"])
     if ca.get("predicted_hit_ratio") is not None and ca.get("worker_hit_ratio") is not None:
         out["cache_aware_predicted_minus_worker_hit_ratio"] = ca["predicted_hit_ratio"] - ca["worker_hit_ratio"]
     return out
@@ -659,6 +735,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 10)
     if trace_rows:
         lines += ["", "## Against the trace's ideal", "", *trace_rows]
+    lines += _tier_lines(routers)
     lines += cost_learning.markdown_lines(routers, results["comparison"])
     lines += ["", "## Comparison", ""]
     lines += [f"- `{k}`: {_fmt(v)}" for k, v in results["comparison"].items()]
@@ -679,6 +756,25 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines += ["", "## GuideLLM (independent client)", "", "```", json.dumps(results["guidellm"], indent=1)[:4000], "```"]
     lines += ["", f"Wall time: {results['wall_s']:.0f} s.", ""]
     path.write_text("\n".join(lines))
+
+
+def _tier_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
+    """Reuse by tier, and kvroute's prediction of it (only where some worker copied KV)."""
+    if not any(r.get("worker_hit_ratio_by_tier") and sum(r["worker_cached_tokens_by_tier"].values()) for r in routers.values()):
+        return []
+    lines = [
+        "", "## Reuse by tier", "",
+        "Shares of the prompt tokens the workers reused from each tier; for kvroute, the tokens it predicted "
+        "reused (its GPU's and copies) over those the workers reported.", "",
+        "| router | GPU | pool | disk | remote | predicted ÷ reported cached |", "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for key, r in routers.items():
+        by = r.get("worker_hit_ratio_by_tier") or {}
+        lines.append(
+            f"| {key} | " + " | ".join(_fmt(by.get(t)) for t in harness.TIERS)
+            + f" | {_fmt(r.get('predicted_over_reported_cached'))} |"
+        )
+    return lines
 
 
 def _plots(out: Path, results: dict[str, Any], records: dict[str, list[harness.RequestRecord]], title: str) -> list[str]:
@@ -713,6 +809,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-p99-ttft", type=float, default=2.0, help="p99 TTFT SLO in simulated seconds (capacity)")
     p.add_argument("--capacity-steps", type=int, default=2, help="bisection steps after bracketing")
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1, help="split the workers in order over this many nodes, a pool each")
+    p.add_argument("--disk-capacity-tokens", type=int, default=0, help="a disk tier of this many tokens per node")
+    p.add_argument("--remote-capacity-tokens", type=int, default=0, help="a remote tier of this many tokens")
+    p.add_argument("--remote-gbps", type=float, default=None, help="the remote tier's bandwidth (default 100 Gb/s)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     p.add_argument("--time-scale", default="auto", help="wall seconds per simulated second, or 'auto'")
     p.add_argument("--seed", type=int, default=1)
@@ -794,7 +894,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     api = "chat" if args.trace else args.api  # a trace's API is in the Trace itself
     setup = RunSetup(
         args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api, args.seed,
-        speeds, tuple(cost_learning.parse_speed_changes(args.speed_change)),
+        speeds, tuple(cost_learning.parse_speed_changes(args.speed_change)), args.nodes, args.disk_capacity_tokens,
+        args.remote_capacity_tokens, args.remote_gbps,
     )  # fmt: skip
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
@@ -869,6 +970,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "harness_tokens_per_wall_s": HARNESS_TOKENS_PER_WALL_S,
             "speeds": speeds,
             "speed_changes": [c.__dict__ for c in setup.speed_changes],
+            "nodes": args.nodes,
+            "disk_capacity_tokens": args.disk_capacity_tokens,
+            "remote_capacity_tokens": args.remote_capacity_tokens,
+            "remote_gbps": args.remote_gbps,
         },
         "routers": routers,
         "failed": failed,
@@ -936,6 +1041,8 @@ def cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         parse_entries(args.policies, args.peers)
+        if args.nodes < 1 or args.workers % args.nodes:
+            raise ValueError(f"--workers {args.workers} must split evenly over --nodes {args.nodes}")
     except ValueError as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,12 @@ def metric_sum(parsed: dict[str, list[tuple[dict[str, str], float]]], name: str,
     return sum(v for labels, v in parsed.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
 
 
+TIERS = ("gpu", "pool", "disk", "remote")
+"""Where a simulated worker's reused prompt tokens came from (`kvroute_sim:cached_tokens_total`)."""
+COPY_TIERS = TIERS[1:]
+"""The tiers a worker copies KV from (all but its own GPU)."""
+TIER_COUNTER = "kvroute_sim:cached_tokens_total"
+
 WORKER_COUNTERS = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
@@ -83,6 +89,7 @@ async def scrape_workers(client: httpx.AsyncClient, urls: dict[str, str]) -> dic
     async def one(url: str) -> dict[str, float]:
         parsed = parse_prometheus((await client.get(url + "/metrics", timeout=10)).text)
         values = {name: metric_sum(parsed, name) for name in WORKER_COUNTERS}
+        values.update({f"cached:{tier}": metric_sum(parsed, TIER_COUNTER, tier=tier) for tier in TIERS})
         values["waiting"] = metric_sum(parsed, "vllm:num_requests_waiting")
         values["running"] = metric_sum(parsed, "vllm:num_requests_running")
         try:
