@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from router.tenants.model import Tenant
 
 
+ADMIN_BODY_BYTES = 64 * 1024
+"""Bodies of the admin API's own requests (a worker, a reload) are small."""
+
+
 def _json(status: int, content: Any) -> Response:
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
@@ -70,10 +74,13 @@ def register_admin(api: FastAPI, services: Services) -> None:
             raise RouterError(404, f"No worker named '{name}'.", "worker_not_found")
         return w
 
-    async def json_body(request: Request) -> dict[str, Any]:
+    async def json_body(request: Request, limit: int = ADMIN_BODY_BYTES) -> dict[str, Any]:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise RouterError(413, f"This request's body is limited to {limit} bytes.", "request_too_large")
         raw = await request.body()
-        if len(raw) > 64 * 1024:
-            raise RouterError(413, "Admin request bodies are limited to 64 KiB.", "request_too_large")
+        if len(raw) > limit:
+            raise RouterError(413, f"This request's body is limited to {limit} bytes.", "request_too_large")
         return parse_body(raw)
 
     @api.get("/admin/workers", include_in_schema=False)
@@ -160,7 +167,8 @@ def register_admin(api: FastAPI, services: Services) -> None:
         if path not in PROXIED_PATHS:
             raise _bad(f"'path' must be one of {', '.join(PROXIED_PATHS)}.")
         tenant = tenant_named(services, request.query_params.get("tenant"))
-        body = await json_body(request)
+        # Any body the proxy takes: an operator asks about the request that was routed.
+        body = await json_body(request, services.config.proxy.max_body_bytes)
         return _json(200, await explain(services, path, body, request.headers.get("x-session-id"), tenant))
 
 

@@ -118,3 +118,22 @@ async def test_a_dry_run_does_not_change_the_next_real_decision() -> None:
     # The dry run sent nothing anywhere.
     assert len(a.received) + len(b.received) == 2
 
+
+
+async def test_debug_route_takes_any_body_the_proxy_takes() -> None:
+    """A long conversation (screenshots, a long history) is explained, not refused at the
+    admin API's own 64 KiB; beyond the proxy's limit it is refused as the proxy would."""
+    big = {"model": "rec-model", "messages": [{"role": "user", "content": "a long history. " * 20_000}]}
+    with RecordingUpstream() as a:
+        config = flat_config(workers=[WorkerSpec("a", a.url)], admin_token=TOKEN, max_body_bytes=400_000)
+        app = build_app(config)
+        async with app.lifespan(app.api):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+                auth = {"authorization": f"Bearer {TOKEN}"}
+                ok = await client.post("/debug/route", json=big, headers=auth)
+                assert ok.status_code == 200, ok.text
+                assert ok.json()["prompt_tokens"] > 60_000
+                huge = {**big, "messages": big["messages"] * 2}
+                refused = await client.post("/debug/route", json=huge, headers=auth)
+                assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
