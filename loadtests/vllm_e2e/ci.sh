@@ -8,7 +8,10 @@
 # the predicted blocks; 7 cases, a few seconds), reuse (precise cache_aware has the engines reuse >= 90% of the
 # reusable prompt tokens of a workload that overflows one worker), (a) predicted == actual
 # cached tokens per request, (c) a moved conversation is a pool hit of exactly the
-# predicted tokens. The TTFT comparison with random is a benchmark, not a check:
+# predicted tokens, nodes (two LMCache servers as two nodes, a worker on each: the router
+# predicts pool hits only on the worker whose node's server holds the prefix, exactly what
+# that server loads; ~50 s, most of it w2's restart on the second server). The TTFT
+# comparison with random is a benchmark, not a check:
 #   python -m loadtests.vllm_e2e.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
 # The tiny model runs in bfloat16 on CPUs with AVX-512 BF16 or AMX, in float32 elsewhere
 # (run_e2e.native_dtype; KVROUTE_E2E_ARGS="--dtype float32" chooses).
@@ -32,7 +35,8 @@ if ! "$PY" -c "import tokenizers, jinja2" 2>/dev/null; then
     "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[precise]"
 fi
 status=0
-# KVROUTE_E2E_ARGS: extra run_e2e.py arguments (e.g. --skip-reuse for a quicker run).
+# KVROUTE_E2E_ARGS: extra run_e2e.py arguments (e.g. --skip-reuse or --skip-nodes for a
+# quicker run, --only-nodes for phase `nodes` alone).
 # shellcheck disable=SC2086
 "$PY" -m loadtests.vllm_e2e.run_e2e --venv "$VENV" --model "$MODEL" --out "$REPORT" ${KVROUTE_E2E_ARGS:-} || status=$?
 echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
@@ -40,7 +44,7 @@ echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
 "$PY" - "$REPORT" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-names = ("exactness", "agent", "reuse", "a", "c")
+names = ("exactness", "agent", "reuse", "a", "c", "nodes")
 passed = sum(1 for k in names if isinstance(r.get(k), dict) and r[k].get("ok"))
 print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s, "
       f"dtype {r.get('dtype')}")

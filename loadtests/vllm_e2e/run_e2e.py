@@ -19,7 +19,12 @@ a. sequential conversations through the precise router: for every request, the r
    `vllm:prefix_cache_hits_total` + `vllm:external_prefix_cache_hits_total`;
 c. a conversation whose worker is drained through the router's admin API continues on the
    other worker as a `pool_hit`, which loads exactly the predicted pool tokens from LMCache
-   (its TTFT and a cold prefill's of the same length are reported, not checked).
+   (its TTFT and a cold prefill's of the same length are reported, not checked);
+nodes. two LMCache servers as two nodes (w2 restarted on a second server, last of the
+   phases; `--only-nodes` starts the fleet so), the router told the topology (`--node`):
+   a turn moved to the other node's worker is predicted no pool hit and loads none, and a
+   turn on the first node's worker after its GPU cache is reset is predicted a pool hit of
+   exactly what that node's server loads (`phase_nodes`).
 
 And one benchmark, timed, hence no check (`--ttft-benchmark`):
 
@@ -221,12 +226,34 @@ def wait_http(url: str, proc: Proc, timeout: float) -> None:
 
 
 @dataclass
+class LMCacheServer:
+    """One LMCache multi-process server: the CPU pool of one node, which only the workers
+    started against it (`Stack.start_worker(..., pool=)`) store to and load from."""
+
+    name: str
+    port: int
+    http: int
+    proc: Proc
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def counters(self) -> dict[str, float]:
+        # Served by its HTTP API: the server runs no Prometheus listener of its own.
+        return lmcache_counters(httpx.get(self.http_url + "/metrics", timeout=10).text)
+
+
+@dataclass
 class Worker:
     name: str
     port: int
     events: int
     replay: int
     proc: Proc | None = None
+    core: int = 0
+    pool: LMCacheServer | None = None
+    """The LMCache server its connector uses: its node's pool."""
 
     @property
     def url(self) -> str:
@@ -239,9 +266,8 @@ class Stack:
     model: Path
     logdir: Path
     workers: list[Worker] = field(default_factory=list)
-    lmcache: Proc | None = None
-    lmcache_port: int = 0
-    lmcache_http: int = 0
+    pools: list[LMCacheServer] = field(default_factory=list)
+    """The LMCache servers, the first one every worker's default (one node: all share it)."""
     router: Proc | None = None
     router_port: int = 0
     worker_args: list[str] = field(default_factory=list)
@@ -251,19 +277,26 @@ class Stack:
     def env(self) -> dict[str, str]:
         return {**os.environ, **ENV_QUIET}
 
-    def start_lmcache(self) -> None:
-        self.lmcache_port, self.lmcache_http = free_port(), free_port()
+    def start_lmcache(self, name: str = "lmcache") -> LMCacheServer:
+        """Start an LMCache server (a node's pool of `POOL_TOKENS`); not waited for."""
+        port, http = free_port(), free_port()
         cmd = [
-            str(self.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.lmcache_port),
+            str(self.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
             "--l1-size-gb", str(POOL_TOKENS * kv_bytes_per_token(self.dtype) / 2**30),
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-            "--http-host", "127.0.0.1", "--http-port", str(self.lmcache_http),
+            "--http-host", "127.0.0.1", "--http-port", str(http),
             "--prometheus-port", str(free_port()),
         ]
-        self.lmcache = start("lmcache", cmd, self.logdir, self.env())
+        server = LMCacheServer(name, port, http, start(name, cmd, self.logdir, self.env()))
+        self.pools.append(server)
+        return server
 
-    def start_worker(self, name: str, core: int) -> Worker:
-        w = Worker(name, free_port(), free_port(), free_port())
+    def start_worker(self, name: str, core: int, pool: LMCacheServer | None = None) -> Worker:
+        """Start a vLLM worker pinned to `core` whose LMCache connector uses `pool` (default:
+        the first server); not waited for. Its log is `name.log`, `name@pool.log` on
+        another server than the first (a worker restarted on another node keeps its name)."""
+        pool = pool or self.pools[0]
+        w = Worker(name, free_port(), free_port(), free_port(), core=core, pool=pool)
         events = {
             "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
             "endpoint": f"tcp://*:{w.events}", "replay_endpoint": f"tcp://*:{w.replay}",
@@ -271,7 +304,7 @@ class Stack:
         connector = {
             "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.lmcache_port,
+                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": pool.port,
                 # On CPU, LMCache defaults to its engine-driven copy path, which does not
                 # publish pool events; lmcache_driven (CPU shared memory) does.
                 "lmcache.mp.mp_transfer_mode": "lmcache_driven",
@@ -288,16 +321,31 @@ class Stack:
             "--host", "127.0.0.1", "--port", str(w.port),
         ]
         env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}
-        w.proc = start(name, cmd, self.logdir, env)
+        log = name if pool is self.pools[0] else f"{name}@{pool.name}"
+        w.proc = start(log, cmd, self.logdir, env)
         self.workers.append(w)
         return w
 
-    def start_router(self, policy: str) -> str:
+    def move_worker(self, name: str, pool: LMCacheServer) -> Worker:
+        """Restart worker `name` (same name, core and place in `workers`) with its connector
+        on `pool`: a vLLM worker's LMCache server is fixed at start-up. Not waited for."""
+        index = next(i for i, w in enumerate(self.workers) if w.name == name)
+        old = self.workers.pop(index)
+        if old.proc is not None:
+            old.proc.stop()
+        w = self.start_worker(name, old.core, pool)
+        self.workers.insert(index, self.workers.pop())
+        return w
+
+    def start_router(self, policy: str, nodes: dict[str, str] | None = None) -> str:
+        """`kvroute serve` over both workers; `nodes` (worker -> node) places them, each node
+        with its own pool of `--pool-capacity-tokens`; without it they share one node."""
         self.router_port = free_port()
         w1, w2 = self.workers
+        placement = [a for w, node in (nodes or {}).items() for a in ("--node", f"{node}={w}")]
         cmd = [
             sys.executable, "-m", "router.cli", "serve", "--port", str(self.router_port), "--policy", policy,
-            "--worker", f"{w1.name}={w1.url}", "--worker", f"{w2.name}={w2.url}",
+            "--worker", f"{w1.name}={w1.url}", "--worker", f"{w2.name}={w2.url}", *placement,
             "--admin-token", ADMIN_TOKEN, "--health-interval-s", "1", "--log-level", "warning",
             "--pool-capacity-tokens", str(POOL_TOKENS),
             "--tokenizer", str(self.model),
@@ -305,7 +353,8 @@ class Stack:
             "--kv-events", f"{w1.name}=tcp://127.0.0.1:{w1.events},replay=tcp://127.0.0.1:{w1.replay},topic=kv",
             *COST_FLAGS,
         ]
-        self.router = start(f"router-{policy}", cmd, self.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        log = f"router-{policy}-nodes" if nodes else f"router-{policy}"
+        self.router = start(log, cmd, self.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
         url = f"http://127.0.0.1:{self.router_port}"
         wait_http(url + "/ready", self.router, 60)
         # Both workers' KV events are subscribed once the router reports them.
@@ -326,8 +375,8 @@ class Stack:
         for w in self.workers:
             if w.proc is not None:
                 w.proc.stop()
-        if self.lmcache is not None:
-            self.lmcache.stop()
+        for pool in self.pools:
+            pool.proc.stop()
 
 
 # -- observation ------------------------------------------------------------------------------
@@ -351,6 +400,29 @@ def engine_counters(url: str) -> dict[str, float]:
     return out
 
 
+LMCACHE_CHUNK = 256
+"""LMCache's chunk size (the server's default, which the router's pool translation assumes
+too): a server loads whole chunks into an engine."""
+LMCACHE_COUNTERS = {"lmcache_mp_lookup_hit": "lookup_hit_tokens", "lmcache_mp_num_chunks_loaded": "chunks_loaded"}
+
+
+def lmcache_counters(metrics: str) -> dict[str, float]:
+    """An LMCache server's own counters from its Prometheus text: tokens its lookups found
+    (`lmcache_mp.lookup_hit`: the prompt's contiguous prefix in whole chunks, whether or not
+    the engine then loads them) and chunks it loaded into an engine
+    (`lmcache_mp.num_chunks_loaded`). OpenTelemetry's exporter appends the unit and
+    `_total`, hence the names are matched by stem."""
+    out = dict.fromkeys(LMCACHE_COUNTERS.values(), 0.0)
+    for line in metrics.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for stem, key in LMCACHE_COUNTERS.items():
+            if name in (f"{stem}_total", f"{stem}_tokens_total"):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def router_metrics_text(url: str) -> str:
     try:
         return httpx.get(url + "/metrics", timeout=5).text
@@ -369,7 +441,8 @@ def router_counter(url: str, name: str) -> float:
 def reset_caches(stack: Stack) -> None:
     for w in stack.workers:
         httpx.post(w.url + "/reset_prefix_cache", timeout=30).raise_for_status()
-    httpx.post(f"http://127.0.0.1:{stack.lmcache_http}/cache/clear", timeout=30)
+    for pool in stack.pools:
+        httpx.post(pool.http_url + "/cache/clear", timeout=30)
 
 
 def nudge(stack: Stack) -> None:
@@ -792,7 +865,174 @@ def phase_prediction_and_pool(stack: Stack, args: argparse.Namespace) -> tuple[d
     return a, c
 
 
-CHECKS = ("exactness", "agent", "reuse", "a", "c")
+NODES = {"w1": "n0", "w2": "n1"}
+"""Phase `nodes`'s topology (worker -> node): w1 on n0 with the first LMCache server, w2 on
+n1 with a second one."""
+
+
+def admin(url: str, worker: str, action: str) -> None:
+    """`drain` or `undrain` a worker through the router's admin API."""
+    httpx.post(url + f"/admin/workers/{worker}/{action}", headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+               timeout=10).raise_for_status()
+
+
+def candidate_view(explain: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per candidate of a `/debug/route` answer: its node, the farthest tier its reuse comes
+    from, the tokens it keeps on its GPU and those it would copy from its node's pool."""
+    return {
+        c["worker"]: {"node": c.get("node"), "tier": c.get("tier"), "gpu": c.get("cached_tokens_gpu"),
+                      "pool": c.get("cached_tokens_pool")}
+        for c in explain.get("candidates", [])
+    }
+
+
+def explain_route(url: str, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    answer = httpx.post(url + "/debug/route", json=body, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    answer.raise_for_status()
+    return candidate_view(answer.json())
+
+
+def node_request(
+    stack: Stack, url: str, body: dict[str, Any], client: httpx.Client, step: str,
+    fleet_view: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One request of phase `nodes`: the router's view of every candidate it routes among,
+    then what each engine reused (vLLM's counters) and what each LMCache server found and
+    loaded (its own counters). `fleet_view`: the view with every worker a candidate, taken
+    before the step drained one."""
+    view = explain_route(url, body)
+    workers_before = {w.name: worker_counters(w) for w in stack.workers}
+    pools_before = {p.name: p.counters() for p in stack.pools}
+    res = send(url, body, client)
+    # An LMCache server counts on its event bus, off the request path: a moment behind.
+    time.sleep(0.3)
+    workers_after = {w.name: worker_counters(w) for w in stack.workers}
+    pools_after = {p.name: p.counters() for p in stack.pools}
+    row: dict[str, Any] = {
+        "step": step, "worker": res.worker, "reason": res.reason, "prompt_tokens": res.prompt_tokens,
+        "candidates": view, "candidates_all": fleet_view,
+        "gpu_hits": {n: int(workers_after[n]["hits"] - workers_before[n]["hits"]) for n in workers_after},
+        "external_hits": {n: int(workers_after[n]["external"] - workers_before[n]["external"]) for n in workers_after},
+        "lmcache_lookup_hit_tokens": {
+            n: int(pools_after[n]["lookup_hit_tokens"] - pools_before[n]["lookup_hit_tokens"]) for n in pools_after
+        },
+        "lmcache_loaded_tokens": {
+            n: int(pools_after[n]["chunks_loaded"] - pools_before[n]["chunks_loaded"]) * LMCACHE_CHUNK for n in pools_after
+        },
+    }
+    row["ok"] = node_row_ok(row, {w.name: w.pool.name for w in stack.workers if w.pool is not None})
+    return row
+
+
+def node_row_ok(row: dict[str, Any], pool_of: dict[str, str]) -> bool:
+    """One request of phase `nodes`, exactly: the chosen worker's predicted pool tokens are
+    what its engine loaded from LMCache (vLLM's external hits) and what its node's LMCache
+    server loaded (its own chunk counter, in tokens); no other engine or server loaded any."""
+    chosen = row["worker"]
+    if chosen not in pool_of:
+        return False
+    predicted = row["candidates"].get(chosen, {}).get("pool")
+    mine = pool_of[chosen]
+    loaded, external = row["lmcache_loaded_tokens"], row["external_hits"]
+    return (
+        predicted == external.get(chosen) == loaded.get(mine)
+        and all(v == 0 for n, v in external.items() if n != chosen)
+        and all(v == 0 for n, v in loaded.items() if n != mine)
+    )
+
+
+def nodes_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Phase `nodes`'s two directions, both exact (no one-block slack: pool tokens are
+    whole chunks on both sides), over every request's `node_row_ok`:
+
+    cross_node: the turn sent to w2 (node n1) while its prefix is in n0's pool predicts no
+      pool tokens for w2 (tier gpu or none, here and with w1 a candidate too) and w2's
+      engine loads none;
+    same_node: the turn sent to w1 after its GPU cache was reset predicts a pool hit
+      (tier pool, tokens > 0, the same with w2 a candidate) which is exactly what n0's
+      server loaded into w1, while w2 is predicted none from any pool."""
+    steps = {r["step"]: r for r in rows}
+    cross, same = steps.get("cross-node"), steps.get("same-node")
+    cross_ok = bool(
+        cross and cross["ok"] and cross["worker"] == "w2"
+        and cross["candidates"].get("w2", {}).get("pool") == 0
+        and cross["candidates"]["w2"].get("tier") in ("gpu", "none")
+        and (cross["candidates_all"] or {}).get("w2", {}).get("pool") == 0
+        and cross["external_hits"].get("w2") == 0
+    )
+    predicted = (same or {}).get("candidates", {}).get("w1", {})
+    same_ok = bool(
+        same and same["ok"] and same["worker"] == "w1"
+        and predicted.get("tier") == "pool" and (predicted.get("pool") or 0) > 0
+        and (same["candidates_all"] or {}).get("w1", {}).get("pool") == predicted.get("pool")
+        and (same["candidates_all"] or {}).get("w2", {}).get("pool") == 0
+    )
+    return {"cross_node": cross_ok, "same_node": same_ok, "ok": cross_ok and same_ok and all(r["ok"] for r in rows)}
+
+
+def phase_nodes(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """Two LMCache servers on loopback as two nodes, one vLLM worker on each (w1 with the
+    first server on n0, w2 restarted with a second one on n1, unless the fleet started so:
+    `--only-nodes`), the router told the topology (`--node`). One conversation:
+
+    n0-turn1, n0-turn2: served by w1 (w2 drained): its prefix goes to w1's GPU and to n0's pool;
+    cross-node: w1 drained, the next turn goes to w2, which must be predicted no pool hit
+      (n0's pool is out of its reach) and loads nothing;
+    same-node: w1's GPU cache reset (vLLM publishes AllBlocksCleared), w2 drained, the next
+      turn goes to w1, predicted a pool hit of exactly what n0's server loads into it.
+
+    Last of the phases: it leaves w2 on n1's server."""
+    t0 = time.monotonic()
+    # The server's start overlaps the worker's: its connector registers with the server
+    # ~30 s into the worker's start-up, ~10 s after the server is ready (checked below).
+    second = stack.pools[1] if len(stack.pools) > 1 else stack.start_lmcache("lmcache-b")
+    if stack.workers[1].pool is not second:
+        moved = stack.move_worker(stack.workers[1].name, second)
+        assert moved.proc is not None
+        wait_http(moved.url + "/health", moved.proc, 600)
+    wait_http(second.http_url + "/healthcheck", second.proc, 120)
+    setup_s = round(time.monotonic() - t0, 1)
+    w1, w2 = stack.workers
+    reset_caches(stack)
+    url = stack.start_router("cache_aware", nodes=NODES)
+    rows: list[dict[str, Any]] = []
+    try:
+        with httpx.Client(timeout=300) as client:
+            conv = Conversation.new(args.seed * 11000 + 1, args.seq_system_words)
+            admin(url, w2.name, "drain")
+            for turn in (1, 2):
+                rows.append(node_request(stack, url, conv.request(args.user_words), client, f"n0-turn{turn}"))
+                conv.reply()
+                settle(stack)
+            admin(url, w2.name, "undrain")
+            body = conv.request(args.user_words)
+            fleet_view = explain_route(url, body)
+            admin(url, w1.name, "drain")
+            rows.append(node_request(stack, url, body, client, "cross-node", fleet_view))
+            conv.reply()
+            settle(stack)
+            httpx.post(w1.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            settle(stack)  # the engine step that publishes AllBlocksCleared to the router
+            admin(url, w1.name, "undrain")
+            body = conv.request(args.user_words)
+            # The router forgets w1's GPU blocks once it has applied that event; a router
+            # that never does is reported as it predicts after a few seconds.
+            deadline = time.monotonic() + 5
+            fleet_view = explain_route(url, body)
+            while fleet_view.get(w1.name, {}).get("gpu") and time.monotonic() < deadline:
+                time.sleep(0.2)
+                fleet_view = explain_route(url, body)
+            admin(url, w2.name, "drain")
+            rows.append(node_request(stack, url, body, client, "same-node", fleet_view))
+    finally:
+        stack.stop_router()
+    return {
+        "nodes": NODES, "pools": {NODES[w.name]: w.pool.name if w.pool else None for w in stack.workers},
+        "setup_s": setup_s, "requests": rows, "tolerance_tokens": 0, **nodes_verdict(rows),
+    }
+
+
+CHECKS = ("exactness", "agent", "reuse", "a", "c", "nodes")
 """The report's pass/fail sections; `b` (--ttft-benchmark) is a measurement, not one of them."""
 
 
@@ -819,6 +1059,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-reuse", "--skip-policies", dest="skip_reuse", action="store_true",
                     help="only exactness, (a) and (c)")
+    ap.add_argument("--skip-nodes", action="store_true", help="leave out phase `nodes` (two LMCache servers)")
+    ap.add_argument("--only-nodes", action="store_true",
+                    help="only phase `nodes`, the fleet started in its topology (w2 on its own LMCache server)")
     ap.add_argument("--reuse-baseline", action="store_true",
                     help="also run the reuse workload through random (a measurement, not a check)")
     ap.add_argument("--ttft-benchmark", action="store_true",
@@ -828,10 +1071,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def start_fleet(stack: Stack) -> None:
-    stack.start_lmcache()
+def start_fleet(stack: Stack, two_nodes: bool = False) -> None:
+    """Both workers on one LMCache server; `two_nodes`: w2 on a second one (phase `nodes`'s
+    topology from the start, sparing its restart of w2)."""
+    pool = stack.start_lmcache()
+    second = stack.start_lmcache("lmcache-b") if two_nodes else pool
     time.sleep(2)  # the workers' connectors register with the server at start-up
-    workers = [stack.start_worker("w1", 0), stack.start_worker("w2", 1)]
+    workers = [stack.start_worker("w1", 0), stack.start_worker("w2", 1, second)]
     for w in workers:
         assert w.proc is not None
         wait_http(w.url + "/health", w.proc, 600)
@@ -842,17 +1088,23 @@ def run_phases(stack: Stack, args: argparse.Namespace, report: dict[str, Any]) -
     phases: list[tuple[str, Any]] = [
         ("exactness", lambda: phase_exactness(stack, "")), ("agent", lambda: phase_agent(stack)),
     ]
-    if args.capture_tokenize:
+    if args.only_nodes:
+        phases = []
+    if args.capture_tokenize and not args.only_nodes:
         from loadtests.vllm_e2e.cases import write_fixture
 
         phases.append(("capture", lambda: write_fixture(stack.workers[0].url, args.model, args.capture_tokenize)))
-    if not args.skip_reuse:
+    if not args.skip_reuse and not args.only_nodes:
         phases.append(("reuse", lambda: phase_reuse(stack, args)))
-    if args.reuse_baseline:
+    if args.reuse_baseline and not args.only_nodes:
         phases.append(("reuse_random", lambda: phase_reuse(stack, args, "random")))
-    phases.append(("a+c", lambda: phase_prediction_and_pool(stack, args)))
-    if args.ttft_benchmark:
+    if not args.only_nodes:
+        phases.append(("a+c", lambda: phase_prediction_and_pool(stack, args)))
+    if args.ttft_benchmark and not args.only_nodes:
         phases.append(("b", lambda: phase_ttft_benchmark(stack, args)))
+    if not args.skip_nodes:
+        # Last: it moves w2 onto a second LMCache server, which the phases above must not see.
+        phases.append(("nodes", lambda: phase_nodes(stack, args)))
     report["phase_s"] = {}
     for name, phase in phases:
         t0 = time.monotonic()
@@ -879,7 +1131,7 @@ def main(argv: list[str] | None = None) -> int:
     # the report is written, and the exit status is 128 + the signal.
     with stop_children_on_signals():
         try:
-            start_fleet(stack)
+            start_fleet(stack, two_nodes=args.only_nodes and not args.skip_nodes)
             report["startup_s"] = round(time.monotonic() - t_start, 1)
             report["versions"] = {"vllm": httpx.get(stack.workers[0].url + "/version").json().get("version")}
             run_phases(stack, args, report)

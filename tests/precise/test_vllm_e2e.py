@@ -4,9 +4,10 @@ Runs only where the vLLM venv built by loadtests/vllm_e2e/setup_env.sh exists
 ($KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv); CI builds it in its own stage
 (loadtests/vllm_e2e/ci.sh, which also runs the reuse check). By default this test runs the
 sequential checks only (exactness against /tokenize, (a) prediction == engine reuse per
-request, (c) pool reuse after a drain); KVROUTE_VLLM_E2E_FULL=1 adds the reuse check and
-the random-vs-cache_aware TTFT benchmark (b), whose ratio is then asserted: a timed
-comparison, for a quiet machine, which is why CI does not run it.
+request, (c) pool reuse after a drain, `nodes`: two LMCache servers as two nodes, pool hits
+predicted only where the node's server holds the prefix); KVROUTE_VLLM_E2E_FULL=1 adds the
+reuse check and the random-vs-cache_aware TTFT benchmark (b), whose ratio is then asserted:
+a timed comparison, for a quiet machine, which is why CI does not run it.
 """
 
 from __future__ import annotations
@@ -79,6 +80,28 @@ def test_moved_conversation_loads_from_the_pool(report: dict) -> None:
     assert c["external_hits_gained"] > 0
     assert c["moved_predicted_pool_tokens"] == c["external_hits_gained"]
     assert c["moved_ttft_s"] < c["cold_ttft_s"]
+
+
+def test_pool_hits_are_predicted_only_on_the_node_holding_the_prefix(report: dict) -> None:
+    nodes = report["nodes"]
+    assert nodes["pools"] == {"n0": "lmcache", "n1": "lmcache-b"}
+    steps = {r["step"]: r for r in nodes["requests"]}
+    # Every request: the chosen worker's predicted pool tokens are what its engine and its
+    # node's LMCache server loaded, exactly; nothing loaded anywhere else.
+    wrong = [r for r in nodes["requests"] if not r["ok"]]
+    assert not wrong, wrong
+    # n0's pool holds the prefix; w2 on n1 is predicted none of it and loads none.
+    cross = steps["cross-node"]
+    assert cross["worker"] == "w2" and cross["candidates"]["w2"]["node"] == "n1"
+    assert cross["candidates"]["w2"]["pool"] == 0 and cross["candidates"]["w2"]["tier"] in ("gpu", "none")
+    assert cross["external_hits"]["w2"] == 0 and cross["lmcache_loaded_tokens"]["lmcache"] == 0
+    # w1 on n0, its GPU cache reset: a pool hit, as large as n0's server's own count.
+    same = steps["same-node"]
+    assert same["worker"] == "w1" and same["candidates"]["w1"]["tier"] == "pool"
+    assert same["candidates"]["w1"]["pool"] == same["lmcache_loaded_tokens"]["lmcache"] > 0
+    assert same["external_hits"]["w1"] == same["candidates"]["w1"]["pool"]
+    assert same["lmcache_loaded_tokens"]["lmcache-b"] == 0
+    assert nodes["cross_node"] and nodes["same_node"] and nodes["ok"]
 
 
 def test_cache_aware_beats_random(report: dict) -> None:
