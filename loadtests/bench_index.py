@@ -15,6 +15,11 @@ Parts (each writes its section of DIR/bench_index.json; docs/redis.md summarizes
              chain before issue 13): a single-message prompt and a 40-message conversation,
              each looked up after its previous version was recorded on one worker and the
              pool, in the lookup part's populated index; chain hashing timed too.
+* media    — building the prefix chain of an agent conversation that adds one 300 KB
+             screenshot (a PNG data URL) per turn, 20 turns: time and key count with media
+             as one element each (each image a digest and its model's tokens) beside the
+             same body read as text (every base64 byte a quarter token, as before media had
+             keys) and beside the conversation without its images.
 * memory   — Redis memory per million indexed prefix blocks (one block = one key held by one
              location): INFO used_memory before and after recording 1,000,000 blocks, plus
              MEMORY USAGE of one location's structures.
@@ -314,6 +319,56 @@ def lookups_over_budget(metrics_texts: Sequence[str], budget_s: float = 0.005) -
 
 
 
+def _screenshot_conversation(turns: int, image_bytes: int) -> dict[str, Any]:
+    from loadtests.screens import SCREEN_SIZES, screenshot_part
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You operate a web browser for the user. " * 30}]
+    for t in range(turns):
+        w, h = SCREEN_SIZES[t % len(SCREEN_SIZES)]
+        messages.append({"role": "user", "content": [
+            {"type": "text", "text": f"Step {t}: the page after your last action."}, screenshot_part(w, h, image_bytes, t),
+        ]})  # fmt: skip
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": f'{{"action": "click", "element": {t}}}'})
+    return {"model": "Qwen/Qwen2.5-VL-7B-Instruct", "messages": messages}
+
+
+def bench_media(turns: int = 20, image_bytes: int = 300_000, repeats: int = 30) -> dict[str, Any]:
+    from normalizer.media import MediaReader
+    from normalizer.prefix import chat_prompt, segment_blocks
+
+    body = _screenshot_conversation(turns, image_bytes)
+    text_only = {**body, "messages": [
+        {**m, "content": [p for p in m["content"] if p["type"] == "text"]} if isinstance(m["content"], list) else m
+        for m in body["messages"]
+    ]}  # fmt: skip
+    builder = EstimateChainBuilder(MediaReader())
+
+    def as_text(b: dict[str, Any]) -> Any:  # media parts rendered as their JSON text
+        blocks, reply = segment_blocks(*chat_prompt(b, None))
+        return prefix_chain(b["model"], blocks, reply or None)
+
+    def timed(build: Any, b: dict[str, Any]) -> dict[str, Any]:
+        build(b)  # warm
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            chain = build(b)
+            times.append(time.perf_counter() - t0)
+        return {"keys": len(chain.keys), "tokens": chain.total_tokens, "build": _us(times)}
+
+    media = timed(lambda b: builder.build(b, "chat"), body)
+    return {
+        "turns": turns,
+        "image_bytes": image_bytes,
+        "body_bytes": len(orjson.dumps(body)),
+        "as_media": media,
+        "as_text": timed(as_text, body),
+        "without_images": timed(lambda b: builder.build(b, "chat"), text_only),
+        "media_ms_per_image": media["build"]["median_us"] / 1e3 / turns,
+    }
+
+
 def _sim(workers: int, time_scale: float):
     from loadtests.sim.cluster import SimCluster
 
@@ -435,7 +490,7 @@ def _environment() -> dict[str, Any]:
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.bench_index", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--parts", default="lookup,long,memory,replicas,outage")
+    p.add_argument("--parts", default="lookup,long,media,memory,replicas,outage")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (replicas, outage)")
     p.add_argument("--time-scale", type=float, default=0.05)
     p.add_argument("--conversations", type=int, default=120)
@@ -478,6 +533,8 @@ def cli(argv: list[str]) -> int:
 
             with RedisServer() as server:
                 part("long", lambda: uvloop.run(bench_long_prompt(server.url)))
+        if "media" in parts:
+            part("media", bench_media)
         if "memory" in parts:
             with RedisServer() as server:
                 part("memory", lambda: asyncio.run(bench_memory(server)))

@@ -26,10 +26,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any, NewType, cast
+from typing import Any, NewType, TypeAlias, cast
 
 import orjson
 
+from normalizer.media import Media, MediaReader
 from normalizer.tokens import CHARS_PER_TOKEN
 
 PrefixKey = NewType("PrefixKey", int)
@@ -39,6 +40,11 @@ BLOCK_TOKENS = 64
 """Estimated tokens per key: a 32k-token prompt is about 512 keys (lookup cost and Redis
 memory per block measured in docs/redis.md)."""
 BLOCK_BYTES = BLOCK_TOKENS * CHARS_PER_TOKEN
+
+Segment: TypeAlias = "bytes | Media"
+"""A piece of the rendered prompt: text (four bytes a token), or one image, audio clip or
+video, which is one element of the chain however many tokens it counts (`normalizer.media`)."""
+MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url", "video_url"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,10 @@ class PrefixChain:
     """Keys before the request's last assistant message: the prompt of the turn whose
     answer that message is, so a worker holding this many keys served the conversation's
     previous turn (0: the request carries no model output, e.g. a new session)."""
+    fallback: bool = False
+    """An estimate chain standing in for an exact one (precise mode could not tokenize the
+    request: images, say): no KV event will name its keys, so the router records it where
+    it sends it, as in estimate mode."""
 
     def tokens_at_depth(self, depth: int) -> int:
         """Tokens covered by the first `depth` keys."""
@@ -75,7 +85,15 @@ def render_message(msg: Any) -> bytes:
     """Render one message the way a chat template would: fields by name, not dict order."""
     if not isinstance(msg, dict):
         return orjson.dumps(msg)
-    parts = [b"<|", str(msg.get("role", "")).encode(), b"|>", _text_of(msg.get("content"))]
+    return _head(msg) + _text_of(msg.get("content")) + _tail(msg)
+
+
+def _head(msg: dict[str, Any]) -> bytes:
+    return b"<|" + str(msg.get("role", "")).encode() + b"|>"
+
+
+def _tail(msg: dict[str, Any]) -> bytes:
+    parts = []
     if msg.get("name") is not None:
         parts += [b"<|name|>", str(msg["name"]).encode()]
     for call in msg.get("tool_calls") or ():
@@ -92,6 +110,35 @@ def render_message(msg: Any) -> bytes:
     return b"".join(parts)
 
 
+def message_segments(msg: Any, model: str, media: MediaReader) -> list[Segment]:
+    """A message as segments: its text, with each media part an element of its own (text
+    parts between media keep their JSON rendering, as `render_message` renders them)."""
+    content = msg.get("content") if isinstance(msg, dict) else None
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES for p in content
+    ):
+        return [render_message(msg)]
+    out: list[Segment] = []
+    text = bytearray(_head(msg))
+    run: list[Any] = []
+    for part in content:
+        element = media.media(part, model) if isinstance(part, dict) else None
+        if element is None:
+            run.append(part)
+            continue
+        if run:
+            text += orjson.dumps(run)
+            run = []
+        if text:
+            out.append(bytes(text))
+            text = bytearray()
+        out.append(element)
+    if run:
+        text += orjson.dumps(run)
+    out.append(bytes(text + _tail(msg)))
+    return out
+
+
 def render_tools(tools: Any) -> bytes:
     """Tools as the template's `tools | tojson` would emit them: key order as given."""
     if not tools:
@@ -99,25 +146,40 @@ def render_tools(tools: Any) -> bytes:
     return b"<|tools|>" + orjson.dumps(tools) + b"<|end|>\n"
 
 
-def chat_segments(body: dict[str, Any]) -> list[bytes]:
-    """The rendered prompt of a chat request, as [tools, message 1, message 2, ...]."""
-    segments = [render_tools(body.get("tools") or body.get("functions"))]
+def chat_prompt(body: dict[str, Any], media: MediaReader | None = None) -> tuple[list[Segment], int | None]:
+    """The rendered prompt of a chat request, as [tools, message 1, message 2, ...] (a
+    message with media parts is several segments: `message_segments`), and the index of
+    the segment where the last assistant message starts, if there is one. Without `media`,
+    media parts render as the JSON they are (a prompt's bytes, as before media had keys)."""
+    segments: list[Segment] = [render_tools(body.get("tools") or body.get("functions"))]
+    reply_at = None
     messages = body.get("messages")
     if isinstance(messages, list):
-        segments.extend(render_message(m) for m in messages)
-    return segments
+        model = str(body.get("model", ""))
+        for m in messages:
+            if isinstance(m, dict) and m.get("role") == "assistant":
+                reply_at = len(segments)
+            if media is None:
+                segments.append(render_message(m))
+            else:
+                segments.extend(message_segments(m, model, media))
+    return segments, reply_at
+
+
+def chat_segments(body: dict[str, Any], media: MediaReader | None = None) -> list[Segment]:
+    """The rendered prompt of a chat request (`chat_prompt`)."""
+    return chat_prompt(body, media)[0]
 
 
 def reply_segment(body: dict[str, Any]) -> int | None:
     """Index in `chat_segments(body)` of the last assistant message, if there is one."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if isinstance(m, dict) and m.get("role") == "assistant":
-            return i + 1  # segment 0 is the tools
-    return None
+    return chat_prompt(body)[1]
+
+
+def prompt_bytes(segments: list[Segment]) -> bytes:
+    """The prompt as bytes, each media element as its placeholder (`Media.placeholder`):
+    where a prompt is handled as bytes, it counts the element's tokens."""
+    return b"".join(s if type(s) is bytes else s.placeholder() for s in segments)  # type: ignore[union-attr]
 
 
 def completion_segments(body: dict[str, Any]) -> list[bytes]:
@@ -135,15 +197,16 @@ def completion_segments(body: dict[str, Any]) -> list[bytes]:
     return [b"", *(data[i : i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES))]
 
 
-def segment_blocks(segments: list[bytes], reply_at: int | None = None) -> tuple[list[bytes], int]:
+def segment_blocks(segments: list[Segment], reply_at: int | None = None) -> tuple[list[Segment], int]:
     """Each segment cut into `BLOCK_BYTES` blocks from its own start (an empty one stays one
-    empty block), and the index of the first block of segment `reply_at` (0 if None)."""
-    blocks: list[bytes] = []
+    empty block; a media element is one block), and the index of the first block of segment
+    `reply_at` (0 if None)."""
+    blocks: list[Segment] = []
     reply_block = 0
     for i, segment in enumerate(segments):
         if i == reply_at:
             reply_block = len(blocks)
-        if len(segment) <= BLOCK_BYTES:  # most messages: one block, no copy
+        if type(segment) is not bytes or len(segment) <= BLOCK_BYTES:  # most messages: one block, no copy
             blocks.append(segment)
         else:
             blocks.extend(segment[start : start + BLOCK_BYTES] for start in range(0, len(segment), BLOCK_BYTES))
@@ -162,7 +225,7 @@ def chain_seed(model: str, cache_salt: str | None = None) -> bytes:
 
 
 def prefix_chain(
-    model: str, segments: list[bytes], reply_at: int | None = None, cache_salt: str | None = None
+    model: str, segments: list[Segment], reply_at: int | None = None, cache_salt: str | None = None
 ) -> PrefixChain:
     """Hash the segments once, each chained to its predecessor: one key per segment.
 
@@ -173,12 +236,19 @@ def prefix_chain(
     cum: list[int] = []
     blake2b = hashlib.blake2b
     parent = blake2b(chain_seed(model, cache_salt), digest_size=8).digest()
-    total_bytes = 0
+    total_bytes = media_tokens = 0
     for segment in segments:
-        parent = blake2b(segment, digest_size=8, key=parent).digest()
+        if type(segment) is bytes:
+            parent = blake2b(segment, digest_size=8, key=parent).digest()
+            total_bytes += len(segment)
+        else:  # one media element: keyed by its content's digest, counted as its model does
+            parent = blake2b(_MEDIA + segment.digest, digest_size=8, key=parent).digest()  # type: ignore[union-attr]
+            media_tokens += segment.tokens  # type: ignore[union-attr]
         digests.append(parent)
-        total_bytes += len(segment)
-        cum.append(total_bytes // CHARS_PER_TOKEN)
+        cum.append(total_bytes // CHARS_PER_TOKEN + media_tokens)
     # One unpack for all keys: converting digest by digest cost a third of a long chain's time.
     keys = cast("tuple[PrefixKey, ...]", struct.unpack(f">{len(digests)}Q", b"".join(digests)))
-    return PrefixChain(keys, tuple(cum), total_bytes // CHARS_PER_TOKEN, reply_at or 0)
+    return PrefixChain(keys, tuple(cum), total_bytes // CHARS_PER_TOKEN + media_tokens, reply_at or 0)
+
+
+_MEDIA = b"\x00media\x00"

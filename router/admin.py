@@ -21,7 +21,9 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from normalizer.media import MediaReader
 from router.auth import KeyCheck, unauthorized
+from router.chain import media_elements
 from router.cost import CostModel
 from router.errors import RouterError
 from router.proxy import PROXIED_PATHS
@@ -228,11 +230,17 @@ async def explain(
         chosen.update(predicted_ttft_s=mine.ttft_s, score_s=mine.score_s)
     else:
         rows = [_load(load) for load in loads]
+    media = [
+        {"kind": m.kind, "key": m.digest.hex(), "tokens": m.tokens}
+        for m in media_elements(body, kind, MediaReader(services.config.media))
+    ] if kind is not None else []  # fmt: skip
     return {
         "policy": services.policy.name,
         "path": path,
         "model": model,
         "prompt_tokens": routed.chain.total_tokens,
+        # Each image, audio clip or video of the prompt: one chain element of these tokens.
+        "media": media,
         "chosen": chosen,
         "ranking": [decision.worker, *decision.ranking],
         "candidates": rows,

@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any, Literal, Protocol
 
 from normalizer import anthropic, responses
+from normalizer.media import Media, MediaReader
 from normalizer.prefix import (
     PrefixChain,
-    chat_segments,
+    chat_prompt,
     completion_segments,
     prefix_chain,
-    reply_segment,
     segment_blocks,
 )
 
@@ -46,14 +46,26 @@ class ChainBuilder(Protocol):
 class EstimateChainBuilder:
     records_on_route = True
 
+    def __init__(self, media: MediaReader | None = None) -> None:
+        self.media = media if media is not None else MediaReader()
+        """Turns images, audio and video into one chain element each (normalizer/media.py)."""
+
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
         model = str(body.get("model", ""))
         salt = cache_salt_of(body)  # read before chat_form, which keeps only the prompt
         if kind != "completion":
             body = chat_form(body, kind)
-            blocks, reply_block = segment_blocks(chat_segments(body), reply_segment(body))
+            blocks, reply_block = segment_blocks(*chat_prompt(body, self.media))
             return prefix_chain(model, blocks, reply_block or None, salt)
         return prefix_chain(model, completion_segments(body), cache_salt=salt)
+
+
+def media_elements(body: dict[str, Any], kind: RequestKind, media: MediaReader) -> list[Media]:
+    """The images, audio and video of a request's prompt, in order, as the chain counts them."""
+    if kind == "completion":
+        return []
+    segments, _ = chat_prompt(chat_form(body, kind), media)
+    return [s for s in segments if isinstance(s, Media)]
 
 
 def cache_salt_of(body: dict[str, Any]) -> str | None:

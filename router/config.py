@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from cache_client.base import IndexSettings
 from cache_client.redis_index import RedisOptions
 from normalizer.canonical import NormalizeOptions
+from normalizer.media import MediaSettings
 from router.auth import SecuritySettings
 from router.breaker import BreakerSettings, OutlierSettings
 from router.cost import CostSettings
@@ -57,6 +58,7 @@ class RouterConfig:
     redis: RedisOptions = field(default_factory=RedisOptions)
     cost: CostSettings = field(default_factory=CostSettings)
     normalize: NormalizeOptions = field(default_factory=NormalizeOptions)
+    media: MediaSettings = field(default_factory=MediaSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     health: HealthSettings = field(default_factory=HealthSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)

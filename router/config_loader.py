@@ -65,6 +65,7 @@ FLAT_KEYS: dict[str, Slot] = {
         "disk_load_us", "remote_load_us",
     ),
     **_same("cost", "kv_bytes_per_token", "disk_gbytes_s", "remote_gbps"),
+    **_same("media", "image_rule", "image_tokens_default", "audio_tokens", "video_tokens"),
     "normalize_tool_schemas": ("normalize", "tool_schemas"),
     "normalize_tool_arguments": ("normalize", "tool_call_arguments"),
     "normalize_system_prompt": ("normalize", "system_prompt"),
@@ -114,6 +115,11 @@ HELP = {
     "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",
     "redis_ttl_s": "Redis index entries unused for this many seconds expire",
     "redis_lookup_budget_ms": "longest a lookup waits for Redis before routing on the local view",
+    "image_rule": "how an image's prompt tokens are counted from its size: auto (by the model's name), "
+    "qwen2_vl, pixtral, llava, gemma3, or fixed:N (see normalizer/media.py)",
+    "image_tokens_default": "tokens of an image whose size cannot be read or whose model has no known rule",
+    "audio_tokens": "tokens of one audio clip in a prompt",
+    "video_tokens": "tokens of one video in a prompt",
     "nodes": "the workers on one node, NODE=W1,W2,... (repeatable; env KVROUTE_NODES ;-separated): each node's "
     "workers share its LMCache pool and disk tier; workers on no node share the default one",
     "pool_capacity_tokens": "each node's workers share an LMCache CPU pool of this many tokens (0: no pool)",

@@ -24,6 +24,7 @@ from cache_client.memory import MemoryIndex
 from cache_client.response_owners import MemoryResponseOwners, RedisResponseOwners, ResponseOwners
 from cache_client.served_ends import ServedEnds
 from cache_client.tiers import Tiers
+from normalizer.media import MediaReader
 from router.auth import KeyCheck
 from router.breaker import OutlierDetector
 from router.calibration import Calibrator, cost_readers
@@ -229,8 +230,9 @@ def build_services(
     expose_index_stats(index, metrics)
     loads = loads if loads is not None else LocalLoadBoard(config.routing.recent_half_life_s)
     if chains is None:
-        mode = build_precise(config.precise)
-        chains = mode if mode is not None else EstimateChainBuilder()
+        estimate = EstimateChainBuilder(MediaReader(config.media))
+        mode = build_precise(config.precise, fallback=estimate)
+        chains = mode if mode is not None else estimate
     precise = chains if isinstance(chains, PreciseMode) else None
     policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
     cost = config.cost.model()

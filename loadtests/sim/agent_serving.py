@@ -17,7 +17,7 @@ from starlette.routing import Route
 from loadtests.sim import agent_apis as agent
 from loadtests.sim import openai_shapes as shapes
 from loadtests.sim.asgi import Send, send_chunk, start_sse
-from normalizer.prefix import chat_segments
+from normalizer.prefix import chat_segments, prompt_bytes
 from normalizer.tokens import CHARS_PER_TOKEN
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ def agent_routes(worker: SimWorker) -> list[Route]:
         try:
             body = await _pooling_body(worker, request)
             chat = agent.messages_chat(body)
-            n = len(b"".join(chat_segments(chat))) // CHARS_PER_TOKEN
+            n = len(prompt_bytes(chat_segments(chat, worker.media))) // CHARS_PER_TOKEN
         except shapes.RequestError as exc:
             return messages_error(exc.status, exc.message, exc.type)
         except (TypeError, ValueError, AttributeError, KeyError) as exc:

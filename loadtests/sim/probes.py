@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from loadtests.sim import openai_shapes as shapes
 from loadtests.sim.engine import BLOCK_SIZE, signed_token_ids, token_ids_of
+from normalizer import prefix
 from normalizer.prefix import chat_segments, completion_segments
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def probe_routes(worker: SimWorker) -> list[Route]:
         if "messages" in body:
             if not isinstance(body["messages"], list):
                 raise shapes.RequestError(400, "messages must be a list")
-            return b"".join(chat_segments(body))
+            return prefix.prompt_bytes(chat_segments(body, worker.media))
         if "prompt" in body:
             prompt = body["prompt"]
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -96,7 +97,7 @@ def probe_routes(worker: SimWorker) -> list[Route]:
             check_model(body)
             if not isinstance(body.get("messages"), list):
                 raise shapes.RequestError(400, "messages must be a list")
-            ids = token_ids_of(b"".join(chat_segments(body)))
+            ids = token_ids_of(prefix.prompt_bytes(chat_segments(body, worker.media)))
         except shapes.RequestError as exc:
             return _error(exc.status, exc.message)
         return _json({"token_ids": ids, "count": len(ids)})

@@ -60,7 +60,8 @@ from loadtests.sim.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventPublisher, en
 from loadtests.sim.metrics import Exposition, escape_label
 from loadtests.sim.pool import CHUNK_TOKENS, LocalPoolClient, PoolClient, chunk_keys
 from loadtests.sim.runner import Handle, Runner
-from normalizer.prefix import chat_segments, completion_segments
+from normalizer.media import MediaReader, MediaSettings
+from normalizer.prefix import chat_segments, completion_segments, prompt_bytes
 from normalizer.tokens import CHARS_PER_TOKEN
 
 DEFAULT_MODEL = "sim-llama3-8b"
@@ -91,6 +92,9 @@ class WorkerConfig:
     get_load_format: str = "sglang"
     # tool_choice "auto": "call" the first tool after a user turn (agent loops), or answer "text".
     auto_tool_calls: str = "call"
+    image_rule: str = "auto"
+    """How an image in a prompt counts (normalizer/media.py): the router's default rule, so
+    that the two agree on image conversations unless told otherwise."""
 
 
 @dataclass
@@ -157,6 +161,8 @@ class SimWorker:
     def __init__(
         self, config: WorkerConfig, cost: CostModel | None = None, pool: LocalPoolClient | None = None
     ) -> None:
+        self.media = MediaReader(MediaSettings(image_rule=config.image_rule))
+        """Images in prompts as the router counts them: one element each, its model's tokens."""
         self.config = config
         self.cost = cost or build_cost_model(
             config.profile, disk_gbytes_s=config.disk_gbytes_s, remote_gbps=config.remote_gbps
@@ -251,7 +257,7 @@ class SimWorker:
                 raise shapes.RequestError(400, "messages: a non-empty list is required", param="messages")
             if not all(isinstance(m, dict) and "role" in m for m in messages):
                 raise shapes.RequestError(400, "messages: every message needs a role", param="messages")
-            segments = chat_segments(body)
+            segments = chat_segments(body, self.media)
         else:
             prompt = body.get("prompt")
             if prompt in (None, "", []):
@@ -272,7 +278,7 @@ class SimWorker:
         if not isinstance(stream_options, dict):
             raise shapes.RequestError(400, "stream_options must be an object", param="stream_options")
         max_tokens = _int_field(body, "max_completion_tokens", "max_tokens")
-        data = b"".join(segments)
+        data = prompt_bytes(segments)
         prompt_len = len(data) // CHARS_PER_TOKEN
         if prompt_len == 0:
             raise shapes.RequestError(400, "the prompt is empty (fewer than 4 bytes)")
@@ -713,6 +719,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--auto-tool-calls", choices=("call", "text"), default="call",
         help='tool_choice "auto": call the first tool after a user turn, or always answer in text',
     )  # fmt: skip
+    p.add_argument(
+        "--image-rule", default="auto",
+        help="how an image counts: auto (by the model's name), qwen2_vl, pixtral, llava, gemma3, fixed:N",
+    )  # fmt: skip
 
 
 def positive_float(text: str) -> float:
@@ -762,6 +772,7 @@ def config_from_args(
         max_num_seqs=args.max_num_seqs,
         get_load_format=args.get_load_format,
         auto_tool_calls=args.auto_tool_calls,
+        image_rule=args.image_rule,
         node=node,
         # Only sim-cluster, which builds the slower tiers, has their bandwidth flags.
         disk_gbytes_s=getattr(args, "disk_gbytes_s", DISK_GBYTES_S),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from normalizer.prefix import PrefixChain, PrefixKey
 from normalizer.vllm_hash import BlockHasher
 from router.chain import ChainBuilder, EstimateChainBuilder, RequestKind, cache_salt_of, chat_form
-from router.precise.tokenizer import ModelTokenizer, UnsupportedRequest
+from router.precise.tokenizer import MediaRequest, ModelTokenizer, UnsupportedRequest
 
 log = logging.getLogger("kvroute.precise")
 
@@ -35,7 +36,12 @@ class PreciseChainBuilder:
         self.hasher = hasher
         """None until the block size is known (precise mode reads it from the workers)."""
         self._fallback: ChainBuilder = fallback if fallback is not None else EstimateChainBuilder()
-        self.fallbacks = 0
+        self.fallbacks: dict[str, int] = {}
+        """Requests routed on an estimate chain instead, by why (`kvroute_precise_fallbacks_total`)."""
+
+    def _fall_back(self, body: dict[str, Any], kind: RequestKind, why: str) -> PrefixChain:
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return replace(self._fallback.build(body, kind), fallback=True)
 
     def tokens(self, body: Mapping[str, Any], kind: RequestKind) -> list[int]:
         if kind == "completion":
@@ -49,18 +55,15 @@ class PreciseChainBuilder:
     def build(self, body: dict[str, Any], kind: RequestKind) -> PrefixChain:
         hasher = self.hasher
         if hasher is None:  # block size not known yet (no worker answered)
-            self.fallbacks += 1
-            return self._fallback.build(body, kind)
+            return self._fall_back(body, kind, "block_size_unknown")
         try:
             tokens = self.tokens(body, kind)
-        except (UnsupportedRequest, KeyError, TypeError, ValueError) as exc:
+        except (MediaRequest, UnsupportedRequest, KeyError, TypeError, ValueError) as exc:
             # Unmodelled inputs (images, templates raising on the input): route on the
-            # estimate chain, which still balances load; the index holds no such keys.
-            self.fallbacks += 1
+            # estimate chain, recorded where it is sent as in estimate mode.
             log.debug("precise tokenization fell back to estimates: %s", exc)
-            return self._fallback.build(body, kind)
+            return self._fall_back(body, kind, "media" if isinstance(exc, MediaRequest) else "unsupported")
         except Exception as exc:  # a template error (raise_exception) is the client's problem
-            self.fallbacks += 1
             log.debug("chat template failed: %s", exc)
-            return self._fallback.build(body, kind)
+            return self._fall_back(body, kind, "template_error")
         return chain_of_tokens(hasher, tokens, cache_salt_of(body))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from cache_client.base import PrefixIndex
     from cache_client.kv_events import CpuMedium, KvEventIngestor, KvEventSource
+    from router.chain import ChainBuilder
     from router.metrics import Registry
     from router.workers import Fleet
 
@@ -53,12 +54,13 @@ class PreciseMode(PreciseChainBuilder):
         sources: list[KvEventSource] | None = None,
         discover: bool = True,
         cpu_medium: CpuMedium = "pool",
+        fallback: ChainBuilder | None = None,
     ) -> None:
         self._block_size = block_size
         self._algo = hash_algo
         self._seed = hash_seed or DEFAULT_NONE_HASH_SEED
         hasher = BlockHasher(block_size, hash_algo or "sha256", self._seed) if block_size else None
-        super().__init__(tokenizer, hasher)
+        super().__init__(tokenizer, hasher, fallback)
         self._given_sources = list(sources or [])
         self._discover = discover
         self._cpu_medium: CpuMedium = cpu_medium
@@ -163,6 +165,13 @@ class PreciseMode(PreciseChainBuilder):
         if follow is not None:
             self.ingestor.follow(*follow)
         self.ingestor.register_metrics(registry)
+        registry.callback_counter(
+            "kvroute_precise_fallbacks_total",
+            "Requests precise mode routed on an estimate chain (recorded where sent) instead of vLLM's block hashes, "
+            "by reason: media (images, audio, video), unsupported, template_error, block_size_unknown.",
+            ("reason",),
+            lambda: {(why,): float(n) for why, n in self.fallbacks.items()},
+        )
         await self._refresh()
         await self.ingestor.start()
         self._task = asyncio.create_task(self._loop(), name="kvroute-precise-refresh")

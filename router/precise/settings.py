@@ -16,6 +16,7 @@ from router.precise.tokenizer import ModelTokenizer
 
 if TYPE_CHECKING:
     from cache_client.kv_events import CpuMedium
+    from router.chain import ChainBuilder
 
 PRECISE_EXTRA_MODULES = ("tokenizers", "jinja2")
 """What `pip install 'kvroute[precise]'` brings (pyproject.toml), imported only in precise mode."""
@@ -57,7 +58,7 @@ def require_precise_extra() -> None:
         )
 
 
-def build_precise(settings: PreciseSettings) -> PreciseMode | None:
+def build_precise(settings: PreciseSettings, fallback: ChainBuilder | None = None) -> PreciseMode | None:
     """Precise mode as `settings` describe it, or None when they name no tokenizer.
 
     A setting that cannot work ends the router (SystemExit naming its flag) before anything
@@ -88,4 +89,5 @@ def build_precise(settings: PreciseSettings) -> PreciseMode | None:
         sources=sources,
         discover=settings.kv_events_discover,
         cpu_medium=cpu,
+        fallback=fallback,
     )

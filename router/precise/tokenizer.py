@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from normalizer.prefix import MEDIA_PART_TYPES
 from router.precise.template import (
     HF_APPLY_PARAMS,
     ContentFormat,
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class MediaRequest(ValueError):
+    """A prompt with images, audio or video: its blocks' vLLM hashes mix in each item's hash
+    of its decoded pixels (or samples), which the router does not decode."""
 
 
 class UnsupportedRequest(ValueError):
@@ -183,6 +189,8 @@ def _text_parts(content: Any) -> list[str]:
             texts.append(part)
         elif isinstance(part, Mapping) and part.get("type") in ("text", "input_text", "output_text", "refusal"):
             texts.append(part.get("text") if part.get("type") != "refusal" else part.get("refusal", ""))
+        elif isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES:
+            raise MediaRequest(f"content part {part.get('type')}")
         else:
             raise UnsupportedRequest(f"content part {part.get('type') if isinstance(part, Mapping) else part!r}")
     return texts

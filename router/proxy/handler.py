@@ -499,7 +499,7 @@ class Proxy:
                 if chain.keys:  # sent, not a dry run: what routing it teaches the router
                     if self.ends is not None:
                         self.ends.record(name, chain)
-                    if self.chains.records_on_route:
+                    if self.chains.records_on_route or chain.fallback:
                         await self._record(worker, chain)
                         ex.recorded = True
                 await attempt.run(ex)

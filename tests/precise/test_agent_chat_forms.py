@@ -54,7 +54,7 @@ def test_precise_builder_uses_the_chat_form(tok: ModelTokenizer, kind: str, name
     builder = PreciseChainBuilder(tok, BlockHasher(32, "sha256"))
     assert builder.tokens(_case(kind, name), kind) == FIXTURE[kind][name]
     chain = builder.build(_case(kind, name), kind)
-    assert builder.fallbacks == 0 and len(chain.keys) == (len(FIXTURE[kind][name]) - 1) // 32
+    assert builder.fallbacks == {} and len(chain.keys) == (len(FIXTURE[kind][name]) - 1) // 32
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES)
@@ -90,4 +90,4 @@ def test_messages_tool_use_input_is_json_dumps() -> None:
 def test_previous_response_id_falls_back(tok: ModelTokenizer) -> None:
     builder = PreciseChainBuilder(tok, BlockHasher(32, "sha256"))
     builder.build({**_case("responses", "string_input"), "previous_response_id": "resp_1"}, "responses")
-    assert builder.fallbacks == 1
+    assert builder.fallbacks == {"unsupported": 1}

@@ -110,7 +110,8 @@ def test_unmodelled_inputs_fall_back_to_estimates(tok: ModelTokenizer) -> None:
     builder = PreciseChainBuilder(tok, BlockHasher(16, "sha256"))
     body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
     chain = builder.build(body, "chat")
-    assert builder.fallbacks == 1 and len(chain.keys) == 2  # the estimate chain: tools + 1 message
+    # The estimate chain: tools, the message's head, the image, its tail; recorded by the router.
+    assert builder.fallbacks == {"media": 1} and len(chain.keys) == 4 and chain.fallback
 
 
 def precise_from(argv: list[str], env: dict[str, str]):
@@ -145,7 +146,7 @@ def test_without_a_block_size_precise_mode_waits_for_the_workers(model_dir: Path
     mode = precise_from([], {"KVROUTE_TOKENIZER": str(model_dir)})
     assert mode is not None and mode.hasher is None
     chain = mode.build({"model": "tiny", "prompt": "x " * 100}, "completion")
-    assert mode.fallbacks == 1 and chain.keys  # estimate chain until cache_config_info is read
+    assert mode.fallbacks == {"block_size_unknown": 1} and chain.keys  # estimate chain until cache_config_info is read
 
 
 METRICS = (

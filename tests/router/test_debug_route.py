@@ -137,3 +137,30 @@ async def test_debug_route_takes_any_body_the_proxy_takes() -> None:
                 huge = {**big, "messages": big["messages"] * 2}
                 refused = await client.post("/debug/route", json=huge, headers=auth)
                 assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+
+
+async def test_debug_route_names_each_media_element_with_its_tokens() -> None:
+    import base64
+    import struct
+
+    def png(width: int, height: int, seed: int) -> str:
+        head = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + struct.pack(">II", width, height)
+        return "data:image/png;base64," + base64.b64encode(head + bytes([seed]) * 200_000).decode()
+
+    body = {"model": "rec-model", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What changed between these two screens?"},
+        {"type": "image_url", "image_url": {"url": png(1920, 1080, 1)}},
+        {"type": "image_url", "image_url": {"url": png(1280, 800, 2)}},
+    ]}]}  # fmt: skip
+    with RecordingUpstream() as a:
+        # The served model's name says no family here: the rule is set (as a deployment would).
+        app = build_app(flat_config(workers=[WorkerSpec("a", a.url)], admin_token=TOKEN, image_rule="qwen2_vl"))
+        async with app.lifespan(app.api):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+                why = await client.post("/debug/route", json=body, headers={"authorization": f"Bearer {TOKEN}"})
+    assert why.status_code == 200, why.text
+    media = why.json()["media"]
+    assert [(m["kind"], m["tokens"]) for m in media] == [("image", 39 * 69 + 2), ("image", 29 * 46 + 2)]
+    assert media[0]["key"] != media[1]["key"]
+    assert why.json()["prompt_tokens"] < 39 * 69 + 29 * 46 + 100  # the base64 text is not counted as text

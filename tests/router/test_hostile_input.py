@@ -24,7 +24,8 @@ pytestmark = pytest.mark.router_process(extra_args=["--max-body-bytes", "100000"
 FIELDS = ["model", "messages", "prompt", "role", "content", "tool_calls", "function", "arguments", "name",
           "tool_call_id", "type", "text", "tools", "functions", "stream", "user", "input", "instructions",
           "system", "max_tokens", "tool_use", "tool_result", "input_schema", "function_call", "function_call_output",
-          "call_id", "output", "user_id", "metadata", "assistant"]
+          "call_id", "output", "user_id", "metadata", "assistant", "image_url", "url", "input_image", "input_audio",
+          "video_url", "image", "source", "data", "data:image/png;base64,iVBORw0K", "data:image/jpeg;base64,/9j/4AA"]
 scalars = (
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
     | st.text(max_size=6) | st.sampled_from(FIELDS)
@@ -170,6 +171,30 @@ def test_chunked_body_over_the_limit_is_refused(router) -> None:
 
     r = httpx.post(router.url + "/v1/chat/completions", content=chunks(), timeout=10)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+BAD_MEDIA = [
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhE",  # truncated inside its header
+    "data:image/png;base64,%%%% not base64 %%%%",  # malformed
+    "data:image/png,raw",  # not base64
+    "data:application/x-unknown;base64,AAAAAAAA",  # an unknown media type
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgABEXAAARFwCAIAAAA=",  # a header claiming 70,000 × 70,000
+]
+
+
+@pytest.mark.parametrize("url", BAD_MEDIA)
+def test_bad_media_is_forwarded_for_the_engine_to_judge(router, upstream: RecordingUpstream, url: str) -> None:
+    """What a vision model's server would refuse is its to refuse: the router routes it (one
+    element at the default count) and forwards it, never a 500."""
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]
+    for path, body in (
+        ("/v1/chat/completions", {"model": "rec-model", "messages": [{"role": "user", "content": parts}]}),
+        ("/v1/messages", {"model": "rec-model", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.partition(",")[2]}},
+        ]}]}),
+    ):
+        r = httpx.post(router.url + path, content=orjson.dumps(body), headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 200, (path, r.text)
 
 
 def test_unknown_paths_and_methods_get_openai_errors(router) -> None:
