@@ -10,7 +10,11 @@
 # cached tokens per request, (c) a moved conversation is a pool hit of exactly the
 # predicted tokens, nodes (two LMCache servers as two nodes, a worker on each: the router
 # predicts pool hits only on the worker whose node's server holds the prefix, exactly what
-# that server loads; ~50 s, most of it w2's restart on the second server). The TTFT
+# that server loads; ~50 s, most of it w2's restart on the second server), vlm (a worker
+# serving a tiny Qwen2-VL, the router in estimate mode with --image-rule qwen2_vl: over
+# multi-turn image conversations, predicted prompt tokens within 10% of the engine's per
+# request and predicted cached tokens within 10% of its cached tokens in all; 40-65 s, all
+# but a few seconds of it the VLM worker's start). The TTFT
 # comparison with random is a benchmark, not a check:
 #   python -m loadtests.vllm_e2e.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
 # The tiny model runs in bfloat16 on CPUs with AVX-512 BF16 or AMX, in float32 elsewhere
@@ -26,8 +30,8 @@ REPORT="${KVROUTE_E2E_REPORT:-$PWD/vllm-e2e-report.json}"
 PY="${PYTHON:-python3}"
 START=$(date +%s)
 
-eval "$("$HERE/setup_env.sh" | grep -E '^(VENV|MODEL)=')"
-echo "vllm_e2e: environment ready in $(( $(date +%s) - START ))s (venv $VENV, model $MODEL)"
+eval "$("$HERE/setup_env.sh" | grep -E '^(VENV|MODEL|VLM|VLM_SITE)=')"
+echo "vllm_e2e: environment ready in $(( $(date +%s) - START ))s (venv $VENV, model $MODEL, vlm $VLM)"
 
 cd "$ROOT"
 # The router side of precise mode needs the `precise` extra (tokenizers + jinja2).
@@ -36,15 +40,16 @@ if ! "$PY" -c "import tokenizers, jinja2" 2>/dev/null; then
 fi
 status=0
 # KVROUTE_E2E_ARGS: extra run_e2e.py arguments (e.g. --skip-reuse or --skip-nodes for a
-# quicker run, --only-nodes for phase `nodes` alone).
+# quicker run, --only-nodes or --only-vlm for phase `nodes` or `vlm` alone).
 # shellcheck disable=SC2086
-"$PY" -m loadtests.vllm_e2e.run_e2e --venv "$VENV" --model "$MODEL" --out "$REPORT" ${KVROUTE_E2E_ARGS:-} || status=$?
+"$PY" -m loadtests.vllm_e2e.run_e2e --venv "$VENV" --model "$MODEL" --vlm-model "$VLM" --vlm-site "$VLM_SITE" \
+    --out "$REPORT" ${KVROUTE_E2E_ARGS:-} || status=$?
 echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
 # The closing line CI reads: one check per acceptance point.
 "$PY" - "$REPORT" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-names = ("exactness", "agent", "reuse", "a", "c", "nodes")
+names = ("exactness", "agent", "reuse", "a", "c", "nodes", "vlm")
 passed = sum(1 for k in names if isinstance(r.get(k), dict) and r[k].get("ok"))
 print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s, "
       f"dtype {r.get('dtype')}")

@@ -24,7 +24,12 @@ nodes. two LMCache servers as two nodes (w2 restarted on a second server, last o
    phases; `--only-nodes` starts the fleet so), the router told the topology (`--node`):
    a turn moved to the other node's worker is predicted no pool hit and loads none, and a
    turn on the first node's worker after its GPU cache is reset is predicted a pool hit of
-   exactly what that node's server loads (`phase_nodes`).
+   exactly what that node's server loads (`phase_nodes`);
+vlm. images: a worker of its own serving a tiny Qwen2-VL (build_vlm.py; `--only-vlm` starts
+   nothing else), `kvroute serve` in estimate mode with `--image-rule qwen2_vl`, and image
+   conversations of several image sizes over several turns: the router's predicted prompt
+   tokens within 10% of the engine's `usage.prompt_tokens` on every request, its predicted
+   cached tokens within 10% of the engine's cached tokens over the run (`phase_vlm`).
 
 And one benchmark, timed, hence no check (`--ttft-benchmark`):
 
@@ -46,17 +51,20 @@ workers with a one-token request after each turn, as continuous traffic would.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
 import random
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1032,7 +1040,200 @@ def phase_nodes(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-CHECKS = ("exactness", "agent", "reuse", "a", "c", "nodes")
+# -- phase vlm: images ------------------------------------------------------------------------
+VLM_NAME = "tiny-vl"
+VLM_BLOCKS = 1024
+"""KV capacity of the VLM worker (×32 = 32,768 tokens): every image conversation of the
+phase stays cached."""
+VLM_TOLERANCE = 0.10
+"""Phase `vlm`: the router's predicted prompt tokens within this share of the engine's
+`usage.prompt_tokens` on every request, and its predicted cached tokens within it of the
+engine's cached tokens over the run. Its text is an estimate (four bytes a token, the
+parts' JSON included); its images, most of each prompt, follow Qwen2-VL's rule exactly."""
+VLM_IMAGES = (
+    ((640, 480), (1280, 800), (1920, 1080)),
+    ((1920, 1080), (800, 600), (1280, 800)),
+)
+"""Phase `vlm`'s conversations: one image a turn, of these sizes (Qwen2-VL: 393, 1,336,
+2,693 and 611 tokens)."""
+VLM_LIMIT_MM = {"image": {"count": 4, "width": 1920, "height": 1080}, "video": 0}
+"""Up to four images a prompt and no video. vLLM's dummy image (the API server's multimodal
+warm-up; the engine's memory profiling where it runs one, which an eager CPU worker does
+not) is 1920×1080, the largest the phase sends, not the 3584×3584 of the processor's
+max_pixels (16,384 tokens)."""
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A real RGB PNG (the engine decodes it, the router reads only its header): diagonal
+    bands of colours drawn from `seed`, so each seed is different content, and a 1920×1080
+    image compresses to a few KB."""
+    rng = random.Random(seed)
+    palette = [bytes(rng.randrange(256) for _ in range(3)) for _ in range(8)]
+    band = 24
+    period = band * len(palette)
+    line = b"".join(palette[(x // band) % len(palette)] for x in range(width + period))
+    rows = b"".join(b"\x00" + line[3 * (y % period) : 3 * (y % period + width)] for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 6)) + chunk(b"IEND", b"")
+
+
+def image_part(width: int, height: int, seed: int) -> dict[str, Any]:
+    data = base64.b64encode(png(width, height, seed)).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+@dataclass
+class ImageConversation:
+    """A scripted conversation about pictures: each turn a short question and one new
+    image, the whole history resent, replies scripted (not the engine's output)."""
+
+    index: int
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turn: int = 0
+
+    def __post_init__(self) -> None:
+        self.messages.append({"role": "system", "content": f"You compare pictures for album {self.index}."})
+
+    def request(self, size: tuple[int, int]) -> dict[str, Any]:
+        self.turn += 1
+        self.messages.append({"role": "user", "content": [
+            {"type": "text", "text": f"Picture {self.turn}: what changed?"},
+            image_part(*size, seed=self.index * 100 + self.turn),
+        ]})
+        return {"model": VLM_NAME, "messages": list(self.messages), "max_tokens": 2, "temperature": 0}
+
+    def reply(self) -> None:
+        self.messages.append({"role": "assistant", "content": f"The colours of picture {self.turn}."})
+
+
+def start_vlm_worker(stack: Stack, model: Path, site: Path) -> Worker:
+    """One vLLM worker serving the tiny Qwen2-VL (build_vlm.py) on every core: prefix
+    caching, cached tokens in `usage` (`--enable-prompt-tokens-details`), no KV events
+    (the router runs in estimate mode). `site` holds the torchvision its model module
+    imports (setup_env.sh). Not waited for."""
+    w = Worker("vlm", free_port(), 0, 0)
+    cores = f"0-{max((os.cpu_count() or 1) - 1, 0)}"
+    cmd = [
+        "taskset", "-c", cores,
+        str(stack.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", VLM_NAME, "--load-format", "dummy",
+        "--dtype", stack.dtype, "--max-model-len", "8192", "--block-size", str(BLOCK),
+        "--num-gpu-blocks-override", str(VLM_BLOCKS), "--enable-prefix-caching", "--seed", "0",
+        "--limit-mm-per-prompt", json.dumps(VLM_LIMIT_MM), "--enable-prompt-tokens-details",
+        *EAGER_FLAGS, "--host", "127.0.0.1", "--port", str(w.port),
+    ]
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**stack.env(), "PYTHONPATH": path, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    w.proc = start("vlm", cmd, stack.logdir, env)
+    return w
+
+
+def start_vlm_router(stack: Stack, worker: Worker) -> tuple[Proc, str]:
+    """`kvroute serve` in estimate mode (no tokenizer) over the VLM worker, images counted
+    by Qwen2-VL's rule."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", "cache_aware",
+        "--worker", f"{worker.name}={worker.url}", "--admin-token", ADMIN_TOKEN, "--image-rule", "qwen2_vl",
+        "--health-interval-s", "1", "--log-level", "warning",
+    ]
+    proc = start("router-vlm", cmd, stack.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/ready", proc, 60)
+    return proc, url
+
+
+def vlm_request(url: str, worker: Worker, body: dict[str, Any], client: httpx.Client) -> dict[str, Any]:
+    """One image request: the router's prediction (/debug/route just before, and the
+    prediction counter of the routing decision itself) against the engine's `usage` and
+    prefix-cache counters."""
+    explain = httpx.post(url + "/debug/route", json=body, headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+                         timeout=30).json()
+    row = next((c for c in explain.get("candidates", []) if c.get("worker") == worker.name), {})
+    predicted_before = router_counter(url, "kvroute_predicted_cached_tokens_total")
+    hits_before = engine_counters(worker.url)["hits"]
+    t0 = time.perf_counter()
+    answer = client.post(url + "/v1/chat/completions", json=body)
+    latency = time.perf_counter() - t0
+    if answer.status_code != 200:
+        raise RuntimeError(f"image request failed: {answer.status_code} {answer.text[:300]}")
+    usage = answer.json().get("usage") or {}
+    hits = engine_counters(worker.url)["hits"] - hits_before
+    details = usage.get("prompt_tokens_details") or {}
+    engine_cached = details.get("cached_tokens")
+    return {
+        "worker": answer.headers.get("x-kvroute-worker"), "latency_s": round(latency, 3),
+        "media_tokens_router": [m["tokens"] for m in explain.get("media", [])],
+        "prompt_tokens_router": explain.get("prompt_tokens"), "prompt_tokens_vllm": usage.get("prompt_tokens"),
+        "predicted_cached": int(router_counter(url, "kvroute_predicted_cached_tokens_total") - predicted_before),
+        "predicted_cached_explain": row.get("cached_tokens"),
+        # The engine's cached tokens: its answer's own figure, else its prefix-cache counter.
+        "cached_tokens_vllm": int(engine_cached if engine_cached is not None else hits),
+        "prefix_cache_hits_vllm": int(hits),
+    }
+
+
+def vlm_verdict(rows: list[dict[str, Any]], tolerance: float = VLM_TOLERANCE) -> dict[str, Any]:
+    """Phase `vlm`'s acceptance: every request's predicted prompt tokens within `tolerance`
+    of the engine's, and the run's predicted cached tokens within `tolerance` of what the
+    engine reused (which must be something: follow-up turns reuse their history)."""
+    for r in rows:
+        engine = r["prompt_tokens_vllm"] or 0
+        r["prompt_error"] = round(((r["prompt_tokens_router"] or 0) - engine) / max(engine, 1), 4)
+        r["prompt_within"] = engine > 0 and abs(r["prompt_error"]) <= tolerance
+    predicted = sum(r["predicted_cached"] for r in rows)
+    actual = sum(r["cached_tokens_vllm"] for r in rows)
+    cached_error = (predicted - actual) / max(actual, 1)
+    prompt_ok = bool(rows) and all(r["prompt_within"] for r in rows)
+    cached_ok = actual > 0 and abs(cached_error) <= tolerance
+    return {
+        "tolerance": tolerance, "requests": rows, "checked": len(rows),
+        "prompt_within": sum(r["prompt_within"] for r in rows),
+        "max_abs_prompt_error": max((abs(r["prompt_error"]) for r in rows), default=None),
+        "predicted_cached_total": predicted, "cached_tokens_vllm_total": actual,
+        "cached_error": round(cached_error, 4),
+        "prompt_ok": prompt_ok, "cached_ok": cached_ok, "ok": prompt_ok and cached_ok,
+    }
+
+
+def phase_vlm(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """Images through the router on a real engine: a vLLM worker serving the tiny Qwen2-VL
+    (its own, started and stopped here), `kvroute serve` in front in estimate mode with
+    `--image-rule qwen2_vl`, and `VLM_IMAGES`' conversations played turn by turn,
+    interleaved (`vlm_request` per request, `vlm_verdict` over them)."""
+    t0 = time.monotonic()
+    worker = start_vlm_worker(stack, args.vlm_model, args.vlm_site)
+    router: Proc | None = None
+    rows: list[dict[str, Any]] = []
+    try:
+        assert worker.proc is not None
+        wait_http(worker.url + "/health", worker.proc, 600)
+        startup_s = round(time.monotonic() - t0, 1)
+        router, url = start_vlm_router(stack, worker)
+        convs = [ImageConversation(i) for i in range(len(VLM_IMAGES))]
+        t1 = time.monotonic()
+        with httpx.Client(timeout=300) as client:
+            for turn in range(max(len(sizes) for sizes in VLM_IMAGES)):
+                for conv, sizes in zip(convs, VLM_IMAGES, strict=True):
+                    if turn >= len(sizes):
+                        continue
+                    row = vlm_request(url, worker, conv.request(sizes[turn]), client)
+                    rows.append({"conversation": conv.index, "turn": conv.turn, "image": list(sizes[turn]), **row})
+                    conv.reply()
+        requests_s = round(time.monotonic() - t1, 1)
+    finally:
+        if router is not None:
+            router.stop()
+        if worker.proc is not None:
+            worker.proc.stop()
+    return {"model": str(args.vlm_model), "startup_s": startup_s, "requests_s": requests_s, **vlm_verdict(rows)}
+
+
+CHECKS = ("exactness", "agent", "reuse", "a", "c", "nodes", "vlm")
 """The report's pass/fail sections; `b` (--ttft-benchmark) is a measurement, not one of them."""
 
 
@@ -1062,13 +1263,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-nodes", action="store_true", help="leave out phase `nodes` (two LMCache servers)")
     ap.add_argument("--only-nodes", action="store_true",
                     help="only phase `nodes`, the fleet started in its topology (w2 on its own LMCache server)")
+    ap.add_argument("--skip-vlm", action="store_true", help="leave out phase `vlm` (images on the tiny Qwen2-VL)")
+    ap.add_argument("--only-vlm", action="store_true",
+                    help="only phase `vlm`: no text fleet, no LMCache server")
+    ap.add_argument("--vlm-model", type=Path,
+                    default=Path(os.environ.get("KVROUTE_TINY_VLM", Path.home() / ".cache" / "kvroute" / "tiny-qwen2-vl")),
+                    help="the tiny Qwen2-VL of phase `vlm` (setup_env.sh builds it and prints VLM=...)")
+    ap.add_argument("--vlm-site", type=Path, default=None,
+                    help="the VLM worker's extra packages (default: VENV/vlm-site, setup_env.sh's VLM_SITE)")
     ap.add_argument("--reuse-baseline", action="store_true",
                     help="also run the reuse workload through random (a measurement, not a check)")
     ap.add_argument("--ttft-benchmark", action="store_true",
                     help="also measure (b): mean TTFT of random vs precise cache_aware (not a check)")
     ap.add_argument("--capture-tokenize", type=Path, default=None,
                     help="also write the workers' /tokenize answers as tests/fixtures/vllm_tokenize.json")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.vlm_site is None:
+        args.vlm_site = args.venv / "vlm-site"
+    if args.only_vlm and args.skip_vlm:
+        ap.error("--only-vlm and --skip-vlm exclude each other")
+    return args
 
 
 def start_fleet(stack: Stack, two_nodes: bool = False) -> None:
@@ -1102,9 +1316,14 @@ def run_phases(stack: Stack, args: argparse.Namespace, report: dict[str, Any]) -
         phases.append(("a+c", lambda: phase_prediction_and_pool(stack, args)))
     if args.ttft_benchmark and not args.only_nodes:
         phases.append(("b", lambda: phase_ttft_benchmark(stack, args)))
+    if not args.skip_vlm and not args.only_nodes:
+        # Its own worker and router: the text fleet stays up, idle, meanwhile.
+        phases.append(("vlm", lambda: phase_vlm(stack, args)))
     if not args.skip_nodes:
         # Last: it moves w2 onto a second LMCache server, which the phases above must not see.
         phases.append(("nodes", lambda: phase_nodes(stack, args)))
+    if args.only_vlm:
+        phases = [("vlm", lambda: phase_vlm(stack, args))]
     report["phase_s"] = {}
     for name, phase in phases:
         t0 = time.monotonic()
@@ -1131,9 +1350,10 @@ def main(argv: list[str] | None = None) -> int:
     # the report is written, and the exit status is 128 + the signal.
     with stop_children_on_signals():
         try:
-            start_fleet(stack, two_nodes=args.only_nodes and not args.skip_nodes)
-            report["startup_s"] = round(time.monotonic() - t_start, 1)
-            report["versions"] = {"vllm": httpx.get(stack.workers[0].url + "/version").json().get("version")}
+            if not args.only_vlm:  # phase `vlm` starts its own worker
+                start_fleet(stack, two_nodes=args.only_nodes and not args.skip_nodes)
+                report["startup_s"] = round(time.monotonic() - t_start, 1)
+                report["versions"] = {"vllm": httpx.get(stack.workers[0].url + "/version").json().get("version")}
             run_phases(stack, args, report)
             ok = all(report[k]["ok"] for k in CHECKS if k in report)
         except SystemExit as exc:

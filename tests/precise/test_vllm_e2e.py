@@ -5,7 +5,9 @@ Runs only where the vLLM venv built by loadtests/vllm_e2e/setup_env.sh exists
 (loadtests/vllm_e2e/ci.sh, which also runs the reuse check). By default this test runs the
 sequential checks only (exactness against /tokenize, (a) prediction == engine reuse per
 request, (c) pool reuse after a drain, `nodes`: two LMCache servers as two nodes, pool hits
-predicted only where the node's server holds the prefix); KVROUTE_VLLM_E2E_FULL=1 adds the
+predicted only where the node's server holds the prefix, `vlm`: image conversations on a
+tiny Qwen2-VL, the router's predicted prompt and cached tokens against the engine's);
+KVROUTE_VLLM_E2E_FULL=1 adds the
 reuse check and the random-vs-cache_aware TTFT benchmark (b), whose ratio is then asserted:
 a timed comparison, for a quiet machine, which is why CI does not run it.
 """
@@ -40,7 +42,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     paths = dict(line.split("=", 1) for line in setup.stdout.splitlines() if "=" in line)
     out = tmp_path_factory.mktemp("vllm") / "report.json"
     cmd = [sys.executable, "-m", "loadtests.vllm_e2e.run_e2e", "--venv", paths["VENV"], "--model", paths["MODEL"],
-           "--out", str(out)]
+           "--vlm-model", paths["VLM"], "--vlm-site", paths["VLM_SITE"], "--out", str(out)]
     if os.environ.get("KVROUTE_VLLM_E2E_FULL") == "1":
         cmd.append("--ttft-benchmark")
     else:
@@ -102,6 +104,25 @@ def test_pool_hits_are_predicted_only_on_the_node_holding_the_prefix(report: dic
     assert same["external_hits"]["w1"] == same["candidates"]["w1"]["pool"]
     assert same["lmcache_loaded_tokens"]["lmcache-b"] == 0
     assert nodes["cross_node"] and nodes["same_node"] and nodes["ok"]
+
+
+def test_router_predicts_image_prompts_and_their_reuse(report: dict) -> None:
+    vlm = report["vlm"]
+    rows = vlm["requests"]
+    # Every request: the router's prompt tokens (images by Qwen2-VL's rule, text estimated)
+    # within 10% of the engine's usage.prompt_tokens.
+    wrong = [r for r in rows if abs(r["prompt_tokens_router"] - r["prompt_tokens_vllm"]) > 0.1 * r["prompt_tokens_vllm"]]
+    assert not wrong, wrong
+    # Each image one element of its rule's count; images of several sizes, over several turns.
+    assert {tuple(r["image"]) for r in rows} >= {(640, 480), (1280, 800), (1920, 1080)}
+    assert all(r["media_tokens_router"] and len(r["media_tokens_router"]) == r["turn"] for r in rows)
+    assert max(r["turn"] for r in rows) >= 3
+    # Cached tokens over the run: within 10% of what the engine reused, which is most of
+    # each follow-up turn (its history, images included).
+    predicted, actual = vlm["predicted_cached_total"], vlm["cached_tokens_vllm_total"]
+    assert actual > 5000 and abs(predicted - actual) <= 0.1 * actual, (predicted, actual)
+    assert all(r["cached_tokens_vllm"] > 0 for r in rows if r["turn"] > 1)
+    assert vlm["ok"]
 
 
 def test_cache_aware_beats_random(report: dict) -> None:
