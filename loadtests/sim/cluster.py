@@ -3,7 +3,9 @@
 `kvroute sim-cluster --workers N --base-port P [--nodes M] [--pool-port Q] [--time-scale S]
 [--profile ...] [--kv-capacity-tokens N] [--no-pool] [--kv-events-base-port Z]
 [--speed F | --speeds F0,F1,...] [--disk-capacity-tokens N] [--disk-gbytes-s G]
-[--remote-capacity-tokens N] [--remote-gbps G] [--no-remote-write-through]`
+[--remote-capacity-tokens N] [--remote-gbps G] [--no-remote-write-through]
+[--roles prefill:2,decode:6 | --roles prefill,decode,...] [--kv-link-gbps G]
+[--nixl-abort-timeout-s T]`
 
 Workers are named w0..w{N-1} and listen on P..P+N-1. They are split in order over M nodes
 n0..n{M-1} (N/M each); node i's pool (its LMCache server: the CPU pool, and a disk tier
@@ -11,7 +13,12 @@ under it with --disk-capacity-tokens) listens on Q+i (Q defaults to P+N). With
 --remote-capacity-tokens, one remote tier serves every node. With --kv-events-base-port Z,
 worker i publishes KV events on tcp://127.0.0.1:Z+i. One line `READY` is printed to stdout
 once everything listens. `--print-topology` prints the router's `--node` flags for that
-split and exits.
+split and exits; `--print-roles` prints its `--role` flags for `--roles` and exits.
+
+`--roles` gives the workers their part in a prefill/decode-disaggregated fleet, in worker
+order: counts (`prefill:2,decode:6`: w0-w1 prefill, w2-w7 decode) or one role per worker
+(`prefill,decode,both`). Default: every worker `both` (an aggregated fleet). The workers of
+one process read each other's KV directly (a shared `NixlPeers`), not over HTTP.
 
 `SimCluster` (and `SimWorkerProcess`) start that command as a subprocess on free loopback
 ports for tests and benchmarks, and kill its whole process group on exit.
@@ -32,6 +39,7 @@ from typing import Any
 from loadtests.processes import spawn, stop_group
 from loadtests.routerproc import port_free
 from loadtests.sim.costs import DISK_GBYTES_S, REMOTE_GBPS
+from loadtests.sim.nixl import ROLES, NixlPeers
 from loadtests.sim.pool import (
     DEFAULT_CAPACITY_TOKENS,
     ChunkStore,
@@ -67,12 +75,56 @@ def node_flags(topo: dict[str, list[str]]) -> list[str]:
     return out
 
 
+def parse_roles(text: str | list[str] | None, workers: int) -> list[str]:
+    """Each worker's role, in worker order, from counts (`prefill:2,decode:6`, assigned in
+    the order given) or one role per worker (`prefill,decode,...`, or a list). None or
+    empty: every worker `both`."""
+    if not text:
+        return ["both"] * workers
+    items = [x.strip() for x in text.split(",")] if isinstance(text, str) else [x.strip() for x in text]
+    counted = [":" in x for x in items]
+    if any(counted) and not all(counted):
+        raise ValueError("give either counts (prefill:2,decode:6) or one role per worker, not both")
+    roles: list[str] = []
+    for item in items:
+        role, _, count = item.partition(":")
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+        n = 1
+        if count:
+            try:
+                n = int(count)
+            except ValueError:
+                raise ValueError(f"{item!r}: the count must be an integer") from None
+            if n < 0:
+                raise ValueError(f"{item!r}: the count must not be negative")
+        roles += [role] * n
+    if len(roles) != workers:
+        raise ValueError(f"{len(roles)} roles for {workers} workers")
+    return roles
+
+
+def role_flags(roles: dict[str, str]) -> list[str]:
+    """The router's flags for the workers' roles: `--role w0=prefill --role w2=decode`;
+    `both` is the router's default and is left out (a fleet of `both` gives none)."""
+    out: list[str] = []
+    for worker, role in roles.items():
+        if role != "both":
+            out += ["--role", f"{worker}={role}"]
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvroute sim-cluster", description="the nodes' pools and N simulated workers")
     p.add_argument("--workers", type=int, required=True)
     p.add_argument("--base-port", type=int, default=None, help="required unless --print-topology")
     p.add_argument("--nodes", type=int, default=1, help="split the workers in order over this many nodes, one pool each")
     p.add_argument("--print-topology", action="store_true", help="print the router's --node flags and exit")
+    p.add_argument(
+        "--roles", default=None,
+        help="roles in worker order: counts prefill:2,decode:6 or one per worker prefill,decode,...; default all both",
+    )  # fmt: skip
+    p.add_argument("--print-roles", action="store_true", help="print the router's --role flags for --roles and exit")
     p.add_argument("--pool-port", type=int, default=None, help="node i's pool listens on this + i (default: base port + workers)")
     p.add_argument("--pool-capacity-tokens", type=int, default=DEFAULT_CAPACITY_TOKENS, help="per node")
     p.add_argument("--disk-capacity-tokens", type=int, default=0, help="a disk tier under each node's pool (0: none)")
@@ -103,7 +155,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--nodes must be at least 1")
     if args.workers % args.nodes:
         p.error(f"--workers {args.workers} must be divisible by --nodes {args.nodes} (workers split evenly over nodes)")
-    if args.base_port is None and not args.print_topology:
+    if args.base_port is None and not (args.print_topology or args.print_roles):
         p.error("--base-port is required")
     if args.disk_capacity_tokens < 0 or args.remote_capacity_tokens < 0:
         p.error("tier capacities must be non-negative")
@@ -113,6 +165,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.speed_list = _speeds(args.speeds, args.workers, args.speed)
     except ValueError as exc:
         p.error(f"--speeds: {exc}")
+    try:
+        args.role_list = parse_roles(args.roles, args.workers)
+    except ValueError as exc:
+        p.error(f"--roles: {exc}")
     return args
 
 
@@ -145,8 +201,11 @@ def node_stores(args: argparse.Namespace, nodes: list[str]) -> dict[str, NodeSto
 def cli(argv: list[str]) -> int:
     args = parse_args(argv)
     topo = topology(args.workers, args.nodes)
-    if args.print_topology:
-        print(" ".join(node_flags(topo)), flush=True)
+    if args.print_topology or args.print_roles:
+        flags = node_flags(topo) if args.print_topology else []
+        if args.print_roles:
+            flags += role_flags({f"w{i}": role for i, role in enumerate(args.role_list)})
+        print(" ".join(flags), flush=True)
         return 0
     node_of = {worker: node for node, workers in topo.items() for worker in workers}
     pool_port = args.pool_port if args.pool_port is not None else args.base_port + args.workers
@@ -160,6 +219,7 @@ def cli(argv: list[str]) -> int:
             for i, node in enumerate(topo):
                 servers.append(server_for(build_pool_app(stores[node]), args.host, pool_port + i))
         workers = []
+        peers = NixlPeers()
         for i in range(args.workers):
             name = f"w{i}"
             node = node_of[name]
@@ -168,10 +228,11 @@ def cli(argv: list[str]) -> int:
                 events = f"tcp://{args.host}:{args.kv_events_base_port + i}"
             pool_url = None if args.no_pool else pool_urls[node]
             config = config_from_args(
-                args, name, args.base_port + i, pool_url, events, speed=args.speed_list[i], node=node
-            )
+                args, name, args.base_port + i, pool_url, events, speed=args.speed_list[i], node=node,
+                role=args.role_list[i],
+            )  # fmt: skip
             local_pool = LocalPoolClient(stores[node]) if stores and args.pool_in_process else None
-            worker = SimWorker(config, pool=local_pool)
+            worker = SimWorker(config, pool=local_pool, peers=peers)
             workers.append(worker)
             servers.append(server_for(worker.app, args.host, config.port))
 
@@ -278,6 +339,8 @@ class SimCluster(_SimProcess):
         c.topology      # {"n0": ["w0", ...], ...};  c.node_of: {"w0": "n0", ...}
         c.kv_event_endpoints  # {"w0": "tcp://127.0.0.1:Z", ...} with kv_events=True
         c.router_node_args()  # ["--node", "n0=w0,...", ...] for the router
+        c.worker_roles        # {"w0": "prefill", ...} (roles="prefill:1,decode:1"); all "both" by default
+        c.router_role_args()  # ["--role", "w0=prefill", "--role", "w1=decode"] for the router
     """
 
     def __init__(
@@ -299,8 +362,17 @@ class SimCluster(_SimProcess):
         remote_gbps: float | None = None,
         disk_gbytes_s: float | None = None,
         remote_write_through: bool = True,
+        roles: str | list[str] | None = None,
+        kv_link_gbps: float | None = None,
+        nixl_abort_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
+        # Checked here, like the topology: bad roles would otherwise fail every start attempt.
+        role_list = parse_roles(roles, workers)
+        self.roles = ",".join(role_list) if roles else None
+        self.worker_roles = {f"w{i}": role for i, role in enumerate(role_list)}
+        self.kv_link_gbps = kv_link_gbps
+        self.nixl_abort_timeout_s = nixl_abort_timeout_s
         # Checked here, not by the child: a bad split would otherwise fail every start attempt.
         self.topology = topology(workers, nodes)
         self.node_of = {worker: node for node, names in self.topology.items() for worker in names}
@@ -336,6 +408,10 @@ class SimCluster(_SimProcess):
     def router_node_args(self) -> list[str]:
         """The router's `--node` flags for this cluster's topology."""
         return node_flags(self.topology)
+
+    def router_role_args(self) -> list[str]:
+        """The router's `--role` flags for this cluster's roles (none for an all-`both` fleet)."""
+        return role_flags(self.worker_roles)
 
     def _choose_ports(self) -> None:
         n = self.workers + self._pool_ports + (self.workers if self.kv_events else 0)
@@ -387,11 +463,18 @@ class SimCluster(_SimProcess):
             cmd += ["--kv-capacity-tokens", str(self.kv_capacity_tokens)]
         if self.speeds:
             cmd += ["--speeds", ",".join(str(f) for f in self.speeds)]
+        if self.roles:
+            cmd += ["--roles", self.roles]
+        if self.kv_link_gbps is not None:
+            cmd += ["--kv-link-gbps", str(self.kv_link_gbps)]
+        if self.nixl_abort_timeout_s is not None:
+            cmd += ["--nixl-abort-timeout-s", str(self.nixl_abort_timeout_s)]
         return cmd + self.extra_args
 
 
 class SimWorkerProcess(_SimProcess):
-    """One `kvroute sim-worker` on a free loopback port; `.url`, `.kv_events_endpoint`."""
+    """One `kvroute sim-worker` on a free loopback port; `.url`, `.kv_events_endpoint`;
+    `role` is its `--role`."""
 
     def __init__(
         self,
@@ -400,8 +483,12 @@ class SimWorkerProcess(_SimProcess):
         pool_url: str | None = None,
         kv_events: bool = False,
         extra_args: list[str] | None = None,
+        role: str | None = None,
     ) -> None:
         super().__init__()
+        if role is not None and role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        self.role = role
         self.name = name
         self.time_scale = time_scale
         self.pool_url = pool_url
@@ -422,4 +509,6 @@ class SimWorkerProcess(_SimProcess):
             cmd += ["--pool", self.pool_url]
         if self.kv_events_endpoint:
             cmd += ["--kv-events", self.kv_events_endpoint]
+        if self.role:
+            cmd += ["--role", self.role]
         return cmd + self.extra_args

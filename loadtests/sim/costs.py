@@ -43,6 +43,14 @@ For Llama-3-8B that is 18.7 + 2.4 ≈ 21.1 µs/token from disk and 10.5 + 2.4 �
 from the remote tier. Like the pool load, both use KV bytes per GPU: under TP each rank
 reads its own shard (an assumption: the ranks of a node share its drive and NIC).
 
+KV pulled from a prefill worker (vLLM's NixlConnector, not measured): GPU to GPU over RDMA,
+no host copy: KV bytes/token × 8 ÷ link bandwidth. Default 400 Gb/s: the ConnectX-7 NIC
+each GPU of an HGX/DGX H100 or H200 node has on its compute fabric (NVIDIA's DGX H200
+datasheet: 8 × 400 Gb/s, one per GPU), which UCX uses for GPU-direct reads between nodes
+(`--kv-link-gbps`). For Llama-3-8B that is 2.6 µs/token (86 ms for 32k tokens). Under TP
+each rank pulls its own shard over its own NIC (KV bytes per GPU). The pull runs beside the
+decode worker's steps (vLLM loads asynchronously), so it delays only its own request.
+
 Tensor parallelism (the 72B profile runs TP8 on one 8×H200 node). Not measured: each GPU
 computes 1/8 of every layer (compute ÷ 8), at an assumed 80% TP efficiency (two NVLink
 all-reduces per layer on the critical path); each GPU reads 1/8 of the weights and holds
@@ -87,6 +95,11 @@ DISK_GBYTES_S = 7.0
 """Disk tier read bandwidth, GB/s: a PCIe 4.0 x4 NVMe drive's rated sequential read (see above)."""
 REMOTE_GBPS = 100.0
 """Bandwidth to the remote tier, Gb/s: one 100 Gb/s NIC (see above)."""
+NIXL = "nixl"
+"""KV pulled from a prefill worker's GPU (vLLM's NixlConnector): a tier of the decode side's
+reuse counters, never a place the pool looks up."""
+KV_LINK_GBPS = 400.0
+"""Bandwidth of a prefill→decode KV pull, Gb/s: one GPU's 400 Gb/s ConnectX-7 (see above)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +185,8 @@ class CostModel:
     """Disk tier read bandwidth, bytes/s."""
     remote_bps: float = REMOTE_GBPS * 1e9 / 8
     """Bandwidth to the remote tier, bytes/s."""
+    link_bps: float = KV_LINK_GBPS * 1e9 / 8
+    """Bandwidth of a KV pull from a prefill worker, bytes/s."""
     _xs: tuple[float, ...] = field(init=False, repr=False)
     _prefix: tuple[float, ...] = field(init=False, repr=False)
 
@@ -236,6 +251,10 @@ class CostModel:
         """Seconds to fetch `tokens` tokens of KV from the remote tier into HBM."""
         return max(tokens, 0) * self.kv_bytes_per_token_per_gpu / self.remote_bps + self.pool_load_s(tokens)
 
+    def nixl_pull_s(self, tokens: int) -> float:
+        """Seconds to pull `tokens` tokens of KV from a prefill worker's GPU (GPU to GPU)."""
+        return max(tokens, 0) * self.kv_bytes_per_token_per_gpu / self.link_bps
+
     def load_s(self, tier: str, tokens: int) -> float:
         """Seconds to load `tokens` tokens of KV from `tier` (POOL, DISK or REMOTE)."""
         if tier == POOL:
@@ -280,8 +299,9 @@ def build_cost_model(
     calibration: dict[str, Any] | None = None,
     disk_gbytes_s: float = DISK_GBYTES_S,
     remote_gbps: float = REMOTE_GBPS,
+    kv_link_gbps: float = KV_LINK_GBPS,
 ) -> CostModel:
-    if not disk_gbytes_s > 0 or not remote_gbps > 0:
+    if not disk_gbytes_s > 0 or not remote_gbps > 0 or not kv_link_gbps > 0:
         raise ValueError("tier bandwidths must be positive")
     try:
         profile = PROFILES[profile_name]
@@ -318,6 +338,7 @@ def build_cost_model(
         default_capacity_tokens=capacity,
         disk_bps=disk_gbytes_s * 1e9,
         remote_bps=remote_gbps * 1e9 / 8,
+        link_bps=kv_link_gbps * 1e9 / 8,
     )
 
 
@@ -333,6 +354,7 @@ def summary(model: CostModel, lengths: tuple[int, ...] = (1024, 4096, 16384, 327
         "pool_load_us_per_token": round(model.pool_load_s(1) * 1e6, 3),
         "disk_load_us_per_token": round(model.disk_load_s(1) * 1e6, 3),
         "remote_load_us_per_token": round(model.remote_load_s(1) * 1e6, 3),
+        "nixl_pull_us_per_token": round(model.nixl_pull_s(1) * 1e6, 3),
         "kv_bytes_per_token": model.kv_bytes_per_token,
         "default_capacity_tokens": model.default_capacity_tokens,
     }

@@ -22,6 +22,17 @@ requests go first, each taking one token (decode) or the rest of its prompt that
 sequence slots and free blocks last. A waiting request that does not fit blocks the ones
 behind it (head-of-line blocking). When a running request cannot get a block, the most
 recently admitted running request is preempted (blocks freed, recomputed later).
+
+Prefill/decode disaggregation (vLLM's NixlConnector, reduced to its effect on blocks):
+* A request marked `hold` (the prefill side, `do_remote_decode`) keeps its blocks when it
+  finishes: it moves to `held` until `release_held` (the decode side pulled them, or the
+  hold timed out).
+* A request marked `pull` (the decode side, `do_remote_prefill`) is admitted without compute:
+  its blocks beyond the local prefix hit are allocated, and it waits in `pulling` (vLLM's
+  WAITING_FOR_REMOTE_KVS) while the caller transfers them, taking no token budget and no
+  sequence slot. `pull_done` then puts it first in the queue with all but its last prompt
+  token computed (vLLM recomputes the last one to sample from), or, if the transfer failed,
+  with only its local hit (vLLM's recompute policy).
 """
 
 from __future__ import annotations
@@ -146,6 +157,10 @@ class State(Enum):
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
+    PULLING = "waiting_for_remote_kvs"
+    """Blocks allocated, KV being pulled from a prefill worker; not schedulable yet."""
+    HELD = "held"
+    """Finished on a prefill worker; its blocks wait for a decode worker to pull them."""
 
 
 @dataclass(eq=False)
@@ -182,6 +197,19 @@ class Seq:
     """`pool_loaded_tokens` by the tier they came from."""
     pool_stored_chunks: int = 0
     preemptions: int = 0
+    hold: bool = False
+    """Keep the blocks when finished (a prefill worker's request for a remote decode)."""
+    pull: bool = False
+    """Pull the prompt's KV beyond the local hit from a prefill worker before computing."""
+    pull_tokens: int = 0
+    pull_blocks: int = 0
+    """What the pull transfers: prompt tokens beyond the local hit, and their blocks."""
+    prompt_digest: bytes = b""
+    """A digest of the prompt's bytes, on both sides of a pull: they must be the same prompt."""
+    nixl_tokens: int = 0
+    """Prompt tokens the pull saved from recomputation (0 until it succeeded)."""
+    last_token_at: float | None = None
+    """Simulated time of the latest generated token (for inter-token latency)."""
 
     @property
     def total_tokens(self) -> int:
@@ -248,6 +276,12 @@ class Counters:
     external_hits: int = 0
     tier_hits: dict[str, int] = field(default_factory=lambda: {POOL: 0, DISK: 0, REMOTE: 0})
     """`external_hits` by the tier the tokens were loaded from."""
+    nixl_hits: int = 0
+    """`external_hits` pulled from a prefill worker instead (tokens not recomputed)."""
+    pulls: int = 0
+    pull_failures: int = 0
+    pulled_tokens: int = 0
+    pulled_blocks: int = 0
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
@@ -370,6 +404,14 @@ class Engine:
         self.seqs: dict[str, Seq] = {}
         self.counters = Counters()
         self.in_step: Step | None = None
+        self.held: dict[str, Seq] = {}
+        """Finished `hold` requests whose blocks wait to be pulled, by id."""
+        self.pulling: dict[str, Seq] = {}
+        """Admitted `pull` requests whose KV is in transit, by id."""
+        self.pull_starts: list[Seq] = []
+        """Pulls admitted since the caller last drained them (`drain_pull_starts`)."""
+        self.new_holds: list[Seq] = []
+        """Holds made since the caller last drained them (`drain_new_holds`)."""
 
     # -- requests -----------------------------------------------------------------------
 
@@ -395,6 +437,8 @@ class Engine:
             self.waiting.remove(seq)
         elif seq.state is State.RUNNING:
             self.running.remove(seq)
+        elif seq.state is State.PULLING:
+            del self.pulling[seq.id]
         self._free(seq)
         seq.state = State.ABORTED
         self.counters.aborted += 1
@@ -402,6 +446,100 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    # -- prefill/decode disaggregation ------------------------------------------------------
+
+    def release_held(self, seq_id: str) -> int | None:
+        """Free a held request's blocks (pulled, timed out, or released); their cached
+        blocks stay in the prefix cache, evictable. Returns the blocks freed, None if not held."""
+        seq = self.held.pop(seq_id, None)
+        if seq is None:
+            return None
+        n = len(seq.table)
+        self._free(seq)
+        seq.state = State.FINISHED
+        return n
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(seq.table) for seq in self.held.values())
+
+    def pull_done(self, seq_id: str, ok: bool) -> Seq | None:
+        """The pull of a `pulling` request ended: with its KV (`ok`), or failed (it then
+        recomputes everything beyond its local hit). It goes first in the queue, keeping its
+        blocks. None if it is no longer pulling (aborted meanwhile)."""
+        seq = self.pulling.pop(seq_id, None)
+        if seq is None:
+            return None
+        c = self.counters
+        seq.pull = False  # one transfer per request, as vLLM clears do_remote_prefill
+        if ok:
+            seq.num_computed = seq.prompt_len - 1
+            # Tokens not recomputed thanks to the pull: all it moved but the last, which is
+            # computed again to sample from (the usage's cached tokens count them).
+            seq.nixl_tokens = seq.pull_tokens - 1
+            c.pulls += 1
+            c.pulled_tokens += seq.pull_tokens
+            c.pulled_blocks += seq.pull_blocks
+            c.external_hits += seq.nixl_tokens
+            c.nixl_hits += seq.nixl_tokens
+            self._commit_blocks(seq)
+        else:
+            seq.num_computed = seq.prompt_len - seq.pull_tokens
+            c.pull_failures += 1
+        seq.state = State.WAITING
+        self.waiting.appendleft(seq)
+        return seq
+
+    def drain_pull_starts(self) -> list[Seq]:
+        out, self.pull_starts = self.pull_starts, []
+        return out
+
+    def drain_new_holds(self) -> list[Seq]:
+        out, self.new_holds = self.new_holds, []
+        return out
+
+    def _start_pull(self, seq: Seq) -> bool:
+        """Admit a `pull` request: match its local prefix, allocate blocks for the rest of its
+        prompt, and park it in `pulling`. False if the blocks are not free now."""
+        limit = seq.prompt_len - 1
+        hit_blocks = self.blocks.cached_run(seq.block_hashes, limit // BLOCK_SIZE)
+        hits = seq.block_hashes[:hit_blocks]
+        prompt_blocks = -(-seq.prompt_len // BLOCK_SIZE)
+        need = prompt_blocks - hit_blocks
+        if need > self.blocks.free - self._evictable_among(hits):
+            return False
+        for h in hits:
+            self.blocks.acquire_cached(h)
+        if not self.blocks.allocate(need):
+            raise AssertionError("block accounting out of sync")
+        seq.table = [*hits, *([None] * need)]
+        gpu_hit = hit_blocks * BLOCK_SIZE
+        seq.num_computed = gpu_hit
+        seq.pull_tokens = seq.prompt_len - gpu_hit
+        seq.pull_blocks = need
+        if not seq.counted:
+            seq.counted = True
+            seq.gpu_hit_tokens = gpu_hit
+            c = self.counters
+            c.prefix_queries += seq.prompt_len
+            c.prefix_hits += gpu_hit
+            # vLLM counts what a connector may supply as external queries.
+            c.external_queries += seq.prompt_len - gpu_hit
+        seq.state = State.PULLING
+        self.pulling[seq.id] = seq
+        self.pull_starts.append(seq)
+        return True
+
+    def _resume(self, seq: Seq, budget: int) -> int | None:
+        """Schedule a waiting request that already holds its prompt's blocks (back from a
+        pull): the tokens it computes now, or None if its next blocks are not free."""
+        want = min(seq.total_tokens - seq.num_computed, budget)
+        need = self._blocks_needed(seq, seq.num_computed + want)
+        if not self.blocks.allocate(need):
+            return None
+        seq.table.extend([None] * need)
+        return want
 
     # -- scheduling ---------------------------------------------------------------------
 
@@ -523,6 +661,24 @@ class Engine:
         if not preempted or not items:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.pull:
+                    if not self._start_pull(seq):
+                        kv_held = True
+                        break
+                    self.waiting.popleft()
+                    continue
+                if seq.table:
+                    resumed = self._resume(seq, budget)
+                    if resumed is None:
+                        kv_held = True
+                        break
+                    self.waiting.popleft()
+                    seq.state = State.RUNNING
+                    self.running.append(seq)
+                    items.append(Scheduled(seq, seq.num_computed, resumed))
+                    prefill_chunks.append((seq.num_computed, seq.num_computed + resumed))
+                    budget -= resumed
+                    continue
                 admitted = self._admit(seq, budget)
                 if admitted is None:
                     kv_held = True
@@ -613,10 +769,16 @@ class Engine:
             out.append(TokenOut(seq, seq.generated - 1, finished))
             if finished:
                 self.running.remove(seq)
-                self._free(seq)
-                seq.state = State.FINISHED
                 del self.seqs[seq.id]
                 c.finished += 1
+                if seq.hold:
+                    # The prefill side of a disaggregated request: its KV waits for a pull.
+                    seq.state = State.HELD
+                    self.held[seq.id] = seq
+                    self.new_holds.append(seq)
+                else:
+                    self._free(seq)
+                    seq.state = State.FINISHED
         return out
 
     def pool_stores(self, step: Step) -> list[tuple[Seq, int, int]]:

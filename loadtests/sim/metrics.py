@@ -15,6 +15,11 @@ TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+ITL_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+"""vLLM's buckets for inter-token latency and time per output token."""
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -59,6 +64,11 @@ class Exposition:
 
     def metric(self, name: str, kind: str, help_: str, value: float, labels: str) -> None:
         self._lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+
+    def family(self, name: str, kind: str, help_: str, samples: Iterable[tuple[str, float]]) -> None:
+        """One metric with several samples: (labels, value) each."""
+        self._lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        self._lines += [f"{name}{{{labels}}} {value}" for labels, value in samples]
 
     def histogram(self, name: str, help_: str, hist: Histogram, labels: str) -> None:
         self._lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]

@@ -17,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loadtests.sim.engine import Engine, KVEvent, Seq, Step, TokenOut
-from loadtests.sim.metrics import LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
+from loadtests.sim.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, Histogram
 
 MAX_LAG_S = 0.05
 """Real seconds behind schedule after which the runner stops trying to catch up."""
+RECENT_ITL = 20_000
+"""Inter-token latencies kept raw for exact percentiles (/sim/state); the histogram keeps all."""
 
 
 @dataclass(eq=False)
@@ -50,6 +52,8 @@ class Runner:
         speed: float = 1.0,
         on_events: Callable[[list[KVEvent], float], None] | None = None,
         on_pool_store: Callable[[Seq, int, int], None] | None = None,
+        on_pull_start: Callable[[Seq], None] | None = None,
+        on_hold: Callable[[Seq], None] | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time scale must be positive")
@@ -60,12 +64,24 @@ class Runner:
         """The GPU's relative speed: every step's simulated duration is divided by it."""
         self.on_events = on_events
         self.on_pool_store = on_pool_store
+        self.on_pull_start = on_pull_start
+        """Called when the engine admits a `pull` request: the caller transfers its KV and
+        answers with `pull_done`."""
+        self.on_hold = on_hold
+        """Called when a `hold` request finishes and its blocks start waiting for a pull."""
         self.handles: dict[str, Handle] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.prefill_time = Histogram(LATENCY_BUCKETS)
         """vLLM's `request_prefill_time_seconds`: from first scheduled to first token."""
+        self.itl = Histogram(ITL_BUCKETS)
+        """vLLM's `inter_token_latency_seconds`: between consecutive tokens of a request."""
+        self.itl_recent: deque[float] = deque(maxlen=RECENT_ITL)
+        self.tpot = Histogram(ITL_BUCKETS)
+        """vLLM's `request_time_per_output_token_seconds`: a request's decode time per token."""
+        self.decode_time = Histogram(LATENCY_BUCKETS)
+        """vLLM's `request_decode_time_seconds`: from first token to last."""
         self.abort_delays: deque[float] = deque(maxlen=32)
         self.client_aborts = 0
         self._wake = asyncio.Event()
@@ -124,6 +140,19 @@ class Runner:
         self._wake.set()  # freed blocks may let a stuck waiting request in
         return aborted
 
+    def wake(self) -> None:
+        """Blocks were freed outside a step (a hold released): a waiting request may fit."""
+        self._wake.set()
+
+    def pull_done(self, seq_id: str, ok: bool) -> None:
+        """A pull the engine asked for (`on_pull_start`) ended; its request becomes schedulable."""
+        if self.engine.pull_done(seq_id, ok) is None:
+            return
+        if self._idle and self._wake_sim is None:
+            # Like an arrival: the busy period starts when the KV landed.
+            self._wake_sim = self.sim_now()
+        self._wake.set()
+
     # -- the step loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -144,6 +173,7 @@ class Runner:
                 # the lag as simulated time.
                 self._anchor_real = now
             step = self.engine.schedule()
+            self._start_pulls()
             if step is None:
                 # Nothing fits until something finishes or is aborted.
                 await self._wait_for_work()
@@ -163,6 +193,20 @@ class Runner:
             outs = self.engine.complete(step, self._anchor_sim)
             self._dispatch(outs)
             self._after_step(step)
+            if self.engine.new_holds:
+                for seq in self.engine.drain_new_holds():
+                    if self.on_hold is not None:
+                        self.on_hold(seq)
+
+    def _start_pulls(self) -> None:
+        if self.engine.pull_starts:
+            for seq in self.engine.drain_pull_starts():
+                if self.on_pull_start is None:
+                    # Nobody to pull from: recompute. Soon, not now: the loop is about to
+                    # wait for work, which would miss a wake-up set before it.
+                    self._loop.call_soon(self.pull_done, seq.id, False)
+                else:
+                    self.on_pull_start(seq)
 
     async def _wait_for_work(self) -> None:
         self._idle = True
@@ -177,15 +221,25 @@ class Runner:
                 continue
             handle.produced = out.index + 1
             seq = out.seq
+            now = self._anchor_sim
             if out.index == 0 and seq.first_token_at is not None:
                 self.ttft.observe(seq.first_token_at - seq.arrival)
                 if seq.scheduled_at is not None:
                     self.queue_time.observe(seq.scheduled_at - seq.arrival)
                     self.prefill_time.observe(seq.first_token_at - seq.scheduled_at)
+            elif seq.last_token_at is not None:
+                gap = now - seq.last_token_at
+                self.itl.observe(gap)
+                self.itl_recent.append(gap)
+            seq.last_token_at = now
             if out.finished:
                 handle.finished = True
                 self.handles.pop(seq.id, None)
-                self.e2e.observe(self._anchor_sim - seq.arrival)
+                self.e2e.observe(now - seq.arrival)
+                if out.index > 0 and seq.first_token_at is not None:
+                    decode = now - seq.first_token_at
+                    self.decode_time.observe(decode)
+                    self.tpot.observe(decode / out.index)
             handle._notify()
 
     def _after_step(self, step: Step) -> None:

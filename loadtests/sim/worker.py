@@ -14,6 +14,9 @@ vLLM's agent APIs (`/v1/responses` with a per-worker store, `/v1/messages`,
 routers make (`/server_info`, `/model_info`, `/get_load`, `/tokenize`, `/detokenize`,
 `/v1/chat/completions/render`, `/kv_event_sources`, `/version`) and test hooks
 (`GET /sim/state`, `POST /sim/fault`, `POST /reset_prefix_cache`).
+
+Prefill/decode disaggregation follows vLLM's NixlConnector (`kv_transfer_params` on every
+inference API; see nixl.py); `--role prefill|decode|both` labels the worker.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from loadtests.sim.costs import (
     DEFAULT_PROFILE,
     DISK,
     DISK_GBYTES_S,
+    KV_LINK_GBPS,
+    NIXL,
     POOL,
     PROFILES,
     REMOTE,
@@ -58,6 +63,17 @@ from loadtests.sim.engine import (
 )
 from loadtests.sim.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventPublisher, encode_event
 from loadtests.sim.metrics import Exposition, escape_label
+from loadtests.sim.nixl import (
+    DECODE,
+    NIXL_ABORT_TIMEOUT_S,
+    PREFILL,
+    ROLES,
+    NixlAgent,
+    NixlPeers,
+    parse_params,
+    prompt_digest,
+    side_of,
+)
 from loadtests.sim.pool import CHUNK_TOKENS, LocalPoolClient, PoolClient, chunk_keys
 from loadtests.sim.runner import Handle, Runner
 from normalizer.media import MediaReader, MediaSettings
@@ -65,7 +81,7 @@ from normalizer.prefix import chat_segments, completion_segments, prompt_bytes
 from normalizer.tokens import CHARS_PER_TOKEN
 
 DEFAULT_MODEL = "sim-llama3-8b"
-FAULT_MODES = ("none", "error500", "hang", "slow")
+FAULT_MODES = ("none", "error500", "hang", "slow", "eos")
 
 
 @dataclass
@@ -95,6 +111,14 @@ class WorkerConfig:
     image_rule: str = "auto"
     """How an image in a prompt counts (normalizer/media.py): the router's default rule, so
     that the two agree on image conversations unless told otherwise."""
+    role: str = "both"
+    """Its part in a disaggregated fleet (prefill, decode, both): a label the router reads
+    from /sim/state and /metrics; any worker serves either side of the protocol, as vLLM's
+    `kv_both` does."""
+    kv_link_gbps: float = KV_LINK_GBPS
+    """Bandwidth of a KV pull from a prefill worker."""
+    nixl_timeout_s: float = NIXL_ABORT_TIMEOUT_S
+    """Simulated seconds a prefill worker holds unread blocks (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
 
 
 @dataclass
@@ -127,6 +151,8 @@ class Job:
     messages: list[dict[str, Any]] = field(default_factory=list)  # the chat messages rendered
     item_id: str = ""  # the Responses output item / Messages id
     cache_salt: str | None = None  # vLLM's: keys the prompt's cached blocks apart from other salts
+    kv_params: dict[str, Any] | None = None  # the request's kv_transfer_params, as received
+    pd: str | None = None  # PREFILL or DECODE: its side of a disaggregated request, or None
 
 
 def _int_field(body: dict[str, Any], *names: str) -> int | None:
@@ -159,13 +185,20 @@ class SimWorker:
     """The worker's state and its HTTP app. Create it inside a running event loop."""
 
     def __init__(
-        self, config: WorkerConfig, cost: CostModel | None = None, pool: LocalPoolClient | None = None
+        self,
+        config: WorkerConfig,
+        cost: CostModel | None = None,
+        pool: LocalPoolClient | None = None,
+        peers: NixlPeers | None = None,
     ) -> None:
         self.media = MediaReader(MediaSettings(image_rule=config.image_rule))
         """Images in prompts as the router counts them: one element each, its model's tokens."""
         self.config = config
         self.cost = cost or build_cost_model(
-            config.profile, disk_gbytes_s=config.disk_gbytes_s, remote_gbps=config.remote_gbps
+            config.profile,
+            disk_gbytes_s=config.disk_gbytes_s,
+            remote_gbps=config.remote_gbps,
+            kv_link_gbps=config.kv_link_gbps,
         )
         capacity = config.kv_capacity_tokens or self.cost.default_capacity_tokens
         self.engine = Engine(
@@ -193,6 +226,20 @@ class SimWorker:
             on_events=self._publish_events if self.publisher else None,
             on_pool_store=self._store_to_pool if self.pool else None,
         )
+        self.nixl = NixlAgent(
+            config.name,
+            config.host,
+            config.port,
+            config.role,
+            self.engine,
+            self.runner,
+            self.cost,
+            config.time_scale,
+            timeout_s=config.nixl_timeout_s,
+            peers=peers,
+        )
+        self.runner.on_pull_start = self.nixl.on_pull_start
+        self.runner.on_hold = self.nixl.on_hold
         self.fault = Fault()
         self.store = agent.ResponseStore()
         self.requests_total = 0
@@ -202,6 +249,7 @@ class SimWorker:
 
     async def close(self) -> None:
         await self.runner.close()
+        await self.nixl.close()
         if self.pool is not None:
             await self.pool.close()
         if self.publisher is not None:
@@ -245,6 +293,8 @@ class SimWorker:
         body = shapes.json_object(raw)
         shapes.check_model(body, self.config.model)
         cache_salt = _cache_salt(body)  # read here: the agent APIs' chat form drops it
+        kv_params = parse_params(body.get("kv_transfer_params"))
+        pd = side_of(kv_params)
         api, request = kind, body
         if api == "responses":
             body = agent.responses_chat(body, self.store)
@@ -292,6 +342,14 @@ class SimWorker:
             out = max_tokens if max_tokens is not None else self.config.max_tokens_default
             pieces = shapes.text_pieces(seed, out)
             finish = "length" if max_tokens is not None else "stop"
+        if pd == PREFILL and max_tokens is not None and len(pieces) > max_tokens:
+            # vLLM's length cap decides whether P holds the KV; the simulator otherwise lets
+            # a tool call run to its end. A cut call is text, as a tool parser gives it back.
+            tool, pieces, finish = None, shapes.text_pieces(seed, max_tokens), "length"
+        if self.fault.mode == "eos":
+            # The model sampled a stop token first: one token, finish "stop" (a prefill
+            # request so answered carries no kv_transfer_params).
+            tool, pieces, finish = None, shapes.text_pieces(seed, 1), "stop"
         out_tokens = len(pieces)
         if prompt_len + out_tokens > self.max_model_len or not self.engine.fits(prompt_len, out_tokens):
             raise shapes.RequestError(
@@ -320,6 +378,8 @@ class SimWorker:
             tool=tool,
             tool_call_id=f"chatcmpl-tool-{uuid.uuid4().hex}" if tool is not None else "",
             cache_salt=cache_salt,
+            kv_params=kv_params,
+            pd=pd,
         )
 
     def _tool_choice(self, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -355,9 +415,11 @@ class SimWorker:
     async def _submit(self, job: Job) -> Handle:
         keys: list[int] = []
         runs: list[tuple[str, int]] = []
+        plan = self.nixl.plan(job.kv_params, job.pd)
         if self.pool is not None:
             keys = chunk_keys(job.data, self.config.model, job.cache_salt)
-            runs = [(tier, chunks * CHUNK_TOKENS) for tier, chunks in await self.pool.lookup(keys)]
+            if plan is None:  # a pull replaces the pool lookup: the KV beyond the local hit comes from P
+                runs = [(tier, chunks * CHUNK_TOKENS) for tier, chunks in await self.pool.lookup(keys)]
         seq = Seq(
             id=job.rid,
             prompt_len=job.prompt_len,
@@ -369,14 +431,21 @@ class SimWorker:
             data=job.data if self.publisher is not None else b"",
             pool_keys=keys,
         )
-        if seq.id in self.engine.seqs:
-            seq.id = f"{seq.id}-{uuid.uuid4().hex[:8]}"
+        while seq.id in self.engine.seqs or seq.id in self.engine.held:
+            seq.id = f"{job.rid}-{uuid.uuid4().hex[:8]}"
+        if job.pd is not None:
+            seq.prompt_digest = prompt_digest(job.data)
+        # vLLM holds the blocks only of a length-capped prefill; a stop token frees them.
+        seq.hold = job.pd == PREFILL and job.finish_reason == "length"
+        if plan is not None:
+            seq.pull = True
+            self.nixl.plans[seq.id] = plan
         job.handle = self.runner.submit(seq)
         return job.handle
 
     def usage(self, job: Job, produced: int) -> shapes.Usage:
         seq = job.handle.seq if job.handle else None
-        cached = (seq.gpu_hit_tokens + seq.pool_loaded_tokens) if seq is not None else 0
+        cached = (seq.gpu_hit_tokens + seq.pool_loaded_tokens + seq.nixl_tokens) if seq is not None else 0
         return shapes.Usage(job.prompt_len, produced, cached)
 
     async def _run_job(self, job: Job, send: Send) -> None:
@@ -400,6 +469,8 @@ class SimWorker:
                 await send_json(send, 200, orjson.dumps(self._final_body(job)), headers)
         finally:
             self.runner.abort(handle)
+            if job.pd == DECODE:
+                self.nixl.job_done(handle.seq.id)
 
     async def next_progress(self, handle: Handle, sent: int) -> int:
         """Tokens produced so far, once more than `sent` are; raises if the engine aborted."""
@@ -410,6 +481,15 @@ class SimWorker:
         return handle.produced
 
     def _final_body(self, job: Job) -> dict[str, Any]:
+        body = self._final_shape(job)
+        params = self.nixl.answer_params(job.handle.seq, job.pd) if job.handle is not None else None
+        if params is not None:
+            # Top-level on chat, completions, Responses and Messages answers alike (vLLM
+            # drops nulls from Messages, so there the key appears only when set).
+            body["kv_transfer_params"] = params
+        return body
+
+    def _final_shape(self, job: Job) -> dict[str, Any]:
         if job.api == "responses":
             return serving.final_response(self, job)
         if job.api == "messages":
@@ -583,6 +663,7 @@ class SimWorker:
             Route("/sim/fault", sim_fault, methods=["POST"]),
             Route("/sim/speed", sim_speed, methods=["POST"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            *self.nixl.routes(),
             *probe_routes(self),
         ]
         return Starlette(routes=routes)
@@ -593,6 +674,7 @@ class SimWorker:
         e, c = self.engine, self.engine.counters
         return {
             "name": self.config.name,
+            "role": self.config.role,
             "model": self.config.model,
             "profile": self.cost.profile.name,
             "time_scale": self.config.time_scale,
@@ -626,13 +708,42 @@ class SimWorker:
             "pool_errors": self.pool.errors if self.pool else 0,
             "kv_events": self.config.kv_events,
             "kv_event_batches": self.publisher.sent if self.publisher else 0,
+            "generation_tokens": c.generation_tokens,
+            "inter_token_latency_s": self._itl_summary(),
+            "nixl": self.nixl.state(),
+        }
+
+    def _itl_summary(self) -> dict[str, float | int | None]:
+        """Inter-token latency, simulated seconds: every token's (count, mean) and the
+        recent ones' exact percentiles (vLLM's histogram buckets start at 10 ms, coarser
+        than a decode step). Decode tokens/s per stream is 1 / mean."""
+        r = self.runner
+        recent = sorted(r.itl_recent)
+
+        def pct(q: float) -> float | None:
+            return recent[min(int(q * len(recent)), len(recent) - 1)] if recent else None
+
+        return {
+            "count": r.itl.n,
+            "mean": r.itl.total / r.itl.n if r.itl.n else None,
+            "recent": len(recent),
+            "p50": pct(0.50),
+            "p90": pct(0.90),
+            "p99": pct(0.99),
+            "max": recent[-1] if recent else None,
         }
 
     def _cached_by_tier(self) -> dict[str, int]:
         """Prompt tokens not recomputed, by where they came from: the GPU's prefix cache,
         or loaded from the node's pool, its disk, the remote tier."""
         c = self.engine.counters
-        return {"gpu": c.prefix_hits, POOL: c.tier_hits[POOL], DISK: c.tier_hits[DISK], REMOTE: c.tier_hits[REMOTE]}
+        return {
+            "gpu": c.prefix_hits,
+            POOL: c.tier_hits[POOL],
+            DISK: c.tier_hits[DISK],
+            REMOTE: c.tier_hits[REMOTE],
+            NIXL: c.nixl_hits,
+        }
 
     def render_metrics(self) -> str:
         e, c, r = self.engine, self.engine.counters, self.runner
@@ -662,6 +773,12 @@ class SimWorker:
         x.histogram(
             "vllm:request_prefill_time_seconds", "Time spent in the prefill phase.", r.prefill_time, labels,
         )  # fmt: skip
+        x.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", r.itl, labels)
+        x.histogram(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            r.tpot, labels,
+        )  # fmt: skip
+        x.histogram("vllm:request_decode_time_seconds", "Time spent in the decode phase.", r.decode_time, labels)
         info = (
             f'block_size="{BLOCK_SIZE}",cache_dtype="auto",enable_prefix_caching="True",'
             f'gpu_memory_utilization="0.85",num_gpu_blocks="{e.blocks.num_blocks}",'
@@ -676,7 +793,36 @@ class SimWorker:
             "Simulated seconds of engine steps during which a waiting request waited for KV blocks.", c.kv_held_s, labels,
         )  # fmt: skip
         x.metric("sim:simulated_seconds", "gauge", "Simulated clock.", r.sim_now(), labels)
+        self._render_nixl(x, labels)
         return x.render() + self._render_cached_by_tier(labels)
+
+    def _render_nixl(self, x: Exposition, labels: str) -> None:
+        """The worker's role and its side of prefill/decode disaggregation."""
+        n, c, st = self.nixl, self.engine.counters, self.nixl.stats
+        info = f'{labels},role="{self.config.role}",kv_engine_id="{escape_label(n.engine_id)}"'
+        x.metric("kvroute_sim:worker_info", "gauge", "The worker's role (prefill, decode, both) and NIXL engine id.", 1, info)
+        x.metric("kvroute_sim:nixl_held_blocks", "gauge", "KV blocks held for decode workers to pull.", n.held_blocks, labels)
+        x.metric("kvroute_sim:nixl_held_requests", "gauge", "Finished prefill requests whose blocks are held.", len(n.holds), labels)
+        x.metric("kvroute_sim:nixl_holds_total", "counter", "Prefill requests answered with kv_transfer_params.", st.holds, labels)
+        x.metric(
+            "kvroute_sim:nixl_prefill_no_params_total", "counter",
+            "Prefill requests (do_remote_decode) answered without kv_transfer_params (a stop token).", st.no_params, labels,
+        )  # fmt: skip
+        x.family(
+            "kvroute_sim:nixl_released_total", "counter",
+            "Holds freed: read by a decode worker, released without a read, or expired.",
+            [(f'{labels},reason="{k}"', v) for k, v in st.released.items()],
+        )  # fmt: skip
+        x.metric("kvroute_sim:nixl_released_blocks_total", "counter", "Held blocks freed.", st.released_blocks, labels)
+        x.metric("kvroute_sim:nixl_pulls_total", "counter", "Requests whose prompt KV was pulled from a prefill worker.", c.pulls, labels)
+        x.metric("kvroute_sim:nixl_pulled_blocks_total", "counter", "KV blocks pulled from prefill workers.", c.pulled_blocks, labels)
+        x.metric("kvroute_sim:nixl_pulled_tokens_total", "counter", "Prompt tokens of KV pulled from prefill workers.", c.pulled_tokens, labels)
+        x.metric("kvroute_sim:nixl_pull_seconds_total", "counter", "Simulated seconds of KV transfer from prefill workers.", st.pull_s, labels)
+        x.family(
+            "kvroute_sim:pd_local_prefills_total", "counter",
+            "Prompts a worker prefilled itself where a pull was expected or asked for, by reason.",
+            [(f'{labels},reason="{k}"', v) for k, v in st.local_prefills.items()],
+        )  # fmt: skip
 
     def _render_cached_by_tier(self, labels: str) -> str:
         """`kvroute_sim:cached_tokens_total{tier=...}`: LMCache counts hits per storage
@@ -723,6 +869,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--image-rule", default="auto",
         help="how an image counts: auto (by the model's name), qwen2_vl, pixtral, llava, gemma3, fixed:N",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-link-gbps", type=positive_float, default=KV_LINK_GBPS,
+        help="bandwidth of a KV pull from a prefill worker, Gb/s (default: one GPU's 400 Gb/s NIC)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nixl-abort-timeout-s", type=positive_float, default=NIXL_ABORT_TIMEOUT_S,
+        help="simulated seconds a prefill worker holds unread KV blocks (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+    )  # fmt: skip
 
 
 def positive_float(text: str) -> float:
@@ -742,6 +896,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-events", default=None, help="ZMQ endpoint to bind for KV events, tcp://HOST:PORT")
     p.add_argument("--kv-events-topic", default="")
     p.add_argument("--print-costs", action="store_true", help="print the derived cost model and exit")
+    p.add_argument("--role", choices=ROLES, default="both", help="its part in a prefill/decode-disaggregated fleet")
     add_engine_args(p)
     return p.parse_args(argv)
 
@@ -754,6 +909,7 @@ def config_from_args(
     kv_events: str | None,
     speed: float | None = None,
     node: str | None = None,
+    role: str | None = None,
 ) -> WorkerConfig:
     return WorkerConfig(
         name=name,
@@ -777,6 +933,9 @@ def config_from_args(
         # Only sim-cluster, which builds the slower tiers, has their bandwidth flags.
         disk_gbytes_s=getattr(args, "disk_gbytes_s", DISK_GBYTES_S),
         remote_gbps=getattr(args, "remote_gbps", REMOTE_GBPS),
+        role=role or getattr(args, "role", "both"),
+        kv_link_gbps=args.kv_link_gbps,
+        nixl_timeout_s=args.nixl_abort_timeout_s,
     )
 
 
@@ -786,7 +945,8 @@ def cli(argv: list[str]) -> int:
 
     args = parse_args(argv)
     if args.print_costs:
-        print(orjson.dumps(summary(build_cost_model(args.profile)), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+        model = build_cost_model(args.profile, kv_link_gbps=args.kv_link_gbps)
+        print(orjson.dumps(summary(model), option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
         return 0
     config = config_from_args(args, args.name, args.port, args.pool, args.kv_events)
 
