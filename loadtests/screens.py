@@ -12,6 +12,8 @@ import base64
 import random
 import struct
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 SCREEN_SIZES = ((1280, 800), (1440, 900), (1536, 864), (1920, 1080))
 """Common desktop resolutions, from 1280×800 to 1920×1080."""
@@ -32,3 +34,19 @@ def png_data_url(width: int, height: int, size: int = 300_000, seed: int = 0) ->
 def screenshot_part(width: int, height: int, size: int = 300_000, seed: int = 0) -> dict:
     """A chat content part carrying one screenshot."""
     return {"type": "image_url", "image_url": {"url": png_data_url(width, height, size, seed)}}
+
+
+@dataclass(frozen=True, slots=True)
+class Screenshot:
+    """One screenshot of a workload, by its description: a session holds these, not the
+    megabytes of their data URLs, which are built only while the session runs."""
+
+    width: int
+    height: int
+    size: int
+    """Bytes of the PNG (its base64 text is 4/3 as long)."""
+    seed: int
+
+    def part(self) -> dict[str, Any]:
+        """Its chat content part (builds the PNG and its data URL: about 2.5 ms for 300 KB)."""
+        return screenshot_part(self.width, self.height, self.size, self.seed)

@@ -46,8 +46,10 @@ from typing import Any
 import orjson
 
 from loadtests.random_lb import RandomReuse, SessionShape, random_lb_capacity
+from loadtests.screens import SCREEN_SIZES, Screenshot
 from loadtests.sim.costs import DEFAULT_PROFILE, CostModel, build_cost_model
-from normalizer.prefix import render_message, render_tools
+from normalizer.media import Media, MediaReader, MediaSettings
+from normalizer.prefix import message_segments, render_message, render_tools
 from normalizer.tokens import CHARS_PER_TOKEN
 
 MODEL = "sim-llama3-8b"
@@ -98,10 +100,13 @@ class ScenarioSpec:
     attachment_probability: float
     attachment_bytes: LogNormal
     tool_result_bytes: LogNormal
+    """A tool result's bytes (screenshot sessions: the text beside each later screenshot)."""
     tool_call_tokens: LogNormal
+    """A tool call's tokens (screenshot sessions: an action, thought included)."""
     answer_tokens: LogNormal
     tool_think_s: LogNormal
-    """Client-side wait after a tool call: the tool runs."""
+    """Client-side wait after a tool call: the tool runs (screenshot sessions: the action
+    runs, the page settles and the next screenshot is taken)."""
     user_think_s: LogNormal
     """Wait after a final answer before the next task's user message."""
     load: float
@@ -113,6 +118,18 @@ class ScenarioSpec:
     """Requests sent in [warmup_s, warmup_s + window_s) are measured."""
     grace_s: float
     """After the window, at most this long for requests in flight to finish."""
+    screenshot_bytes: int = 0
+    """Each screenshot's PNG in bytes; above 0 the sessions are computer-use agents, every
+    request adding one screenshot (`_screenshot_session`); 0: text agents."""
+    screen_sizes: tuple[tuple[int, int], ...] = SCREEN_SIZES
+    """Display resolutions, one drawn per session (an agent's display keeps its size)."""
+    screenshot_repeat_share: float = 0.0
+    """Chance that a turn after the first resends the previous screenshot unchanged (the
+    action changed nothing on screen): the same bytes, so the same media key."""
+    image_rule: str | None = None
+    """The served model's image rule (normalizer/media.py), given as `--image-rule` to the
+    simulated workers and to kvroute alike, so that both count an image's tokens as the
+    workload's derivation does (None: neither is told; both use `auto`)."""
 
 
 SCENARIOS: dict[str, ScenarioSpec] = {
@@ -201,6 +218,41 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         warmup_s=5.0,
         window_s=20.0,
         grace_s=15.0,
+    ),
+    # Computer-use / browser agents (UI-TARS, Operator-style loops): each step sends the
+    # screen as a PNG screenshot with a line of text, the model answers with one short
+    # action, and the whole history, every earlier screenshot included, is resent. A
+    # request carries megabytes of base64 but only thousands of tokens: Qwen2.5-VL counts a
+    # 1920×1080 screenshot as 2,693 tokens, a 1280×800 one as 1,336.
+    "screenshots": ScenarioSpec(
+        name="screenshots",
+        description="computer-use agents: one screenshot per turn, the whole history of screenshots resent",
+        groups=3,
+        group_skew=1.0,
+        system_prompt_bytes=LogNormal(3_000, 0.3, 1_500, 6_000),
+        tools_per_group=(0, 0),  # actions are text (UI-TARS' action space), not tool calls
+        extra_tasks_mean=0.0,
+        max_tasks=1,
+        tool_steps_mean=8.0,
+        min_tool_steps=2,
+        max_tool_steps=24,
+        user_message_bytes=LogNormal(300, 0.6, 60, 2_000),
+        attachment_probability=0.0,
+        attachment_bytes=LogNormal(1, 0.0, 1, 1),
+        tool_result_bytes=LogNormal(60, 0.5, 20, 300),
+        tool_call_tokens=LogNormal(40, 0.5, 12, 160),
+        answer_tokens=LogNormal(80, 0.5, 20, 300),
+        tool_think_s=LogNormal(2.5, 0.5, 0.5, 15.0),
+        user_think_s=LogNormal(1, 0.0, 1, 1),
+        # As `seed`: the random balancer's prefill capacity, counting image tokens as the
+        # workers do (`session_tokens`).
+        load=1.0,
+        warmup_s=30.0,
+        window_s=60.0,
+        grace_s=30.0,
+        screenshot_bytes=300_000,
+        screenshot_repeat_share=0.2,
+        image_rule="qwen2_vl",  # the family computer-use agents (UI-TARS) are built on
     ),
 }
 
@@ -402,6 +454,8 @@ class Session:
     """First request this run sends (> 0 for sessions already under way at time 0)."""
     start_s: float = 0.0
     """Simulated time of that request."""
+    image_rule: str | None = None
+    """How the served model counts its screenshots (the scenario's `image_rule`)."""
 
 
 def _zipf_choice(rng: random.Random, n: int, skew: float) -> int:
@@ -449,6 +503,9 @@ def make_session(seed: int, scenario: ScenarioSpec, index: int, arrival_s: float
     rng = random.Random(f"{seed}:{scenario.name}:session:{index}")
     group = _zipf_choice(rng, scenario.groups, scenario.group_skew) if scenario.groups else None
     style = CLIENT_STYLES[rng.randrange(len(CLIENT_STYLES))]
+    if scenario.screenshot_bytes > 0:
+        shots = _screenshot_turns(rng, scenario)
+        return Session(index, f"s{seed}-{scenario.name}-{index}", group, style, arrival_s, shots, image_rule=scenario.image_rule)
     turns: list[Turn] = []
     n_tasks = min(1 + _poisson(rng, scenario.extra_tasks_mean), scenario.max_tasks)
     call_no = 0
@@ -482,6 +539,62 @@ def make_session(seed: int, scenario: ScenarioSpec, index: int, arrival_s: float
     return Session(index, f"s{seed}-{scenario.name}-{index}", group, style, arrival_s, turns)
 
 
+_ACTIONS = ("click", "left_double", "right_single", "drag", "type", "hotkey", "scroll", "wait")
+
+
+def _action(rng: random.Random, width: int, height: int, tokens: int) -> str:
+    """A UI-TARS-style step, `tokens` long at four bytes a token (as the engine generates
+    it): a thought, then one action on the screen's coordinates."""
+    kind = rng.choice(_ACTIONS)
+    x, y = rng.randrange(width), rng.randrange(height)
+    if kind == "type":
+        call = f"type(content='{prose(rng, 24).replace(chr(10), ' ')}')"
+    elif kind == "hotkey":
+        call = f"hotkey(key='{rng.choice(('ctrl c', 'ctrl v', 'enter', 'ctrl l', 'tab'))}')"
+    elif kind == "scroll":
+        call = f"scroll(start_box='({x},{y})', direction='{rng.choice(('down', 'up'))}')"
+    elif kind == "drag":
+        call = f"drag(start_box='({x},{y})', end_box='({rng.randrange(width)},{rng.randrange(height)})')"
+    elif kind == "wait":
+        call = "wait()"
+    else:
+        call = f"{kind}(start_box='({x},{y})')"
+    size = tokens * CHARS_PER_TOKEN
+    tail = f"\nAction: {call}"
+    thought = prose(rng, max(size - len(tail) - 9, 8)).replace("\n", " ")
+    return ("Thought: " + thought)[: max(size - len(tail), 9)] + tail
+
+
+def _screenshot_turns(rng: random.Random, scenario: ScenarioSpec) -> list[Turn]:
+    """A computer-use task: the user's instruction with the first screenshot, then each
+    step's short action and the screenshot after it, until the agent says it finished.
+    Every request carries one more screenshot than the last; a turn resends the previous
+    screenshot unchanged with probability `screenshot_repeat_share`."""
+    width, height = rng.choice(scenario.screen_sizes)
+    steps = _geometric(rng, scenario.tool_steps_mean, scenario.min_tool_steps, scenario.max_tool_steps)
+    turns: list[Turn] = []
+    shot: Screenshot | None = None
+    for step in range(steps + 1):
+        if shot is None or rng.random() >= scenario.screenshot_repeat_share:
+            shot = Screenshot(width, height, scenario.screenshot_bytes, rng.getrandbits(62))
+        if step == 0:
+            text = prose(rng, scenario.user_message_bytes.draw_int(rng)).replace("\n", " ")
+            think = 0.0
+        else:
+            text = f"Step {step}. " + prose(rng, scenario.tool_result_bytes.draw_int(rng)).replace("\n", " ")
+            think = scenario.tool_think_s.draw(rng)
+        message = {"role": "user", "content": [{"type": "text", "text": text}, shot]}
+        last = step == steps
+        n = (scenario.answer_tokens if last else scenario.tool_call_tokens).draw_int(rng)
+        if last:
+            room = max(n * CHARS_PER_TOKEN - len("Action: finished(content='')"), 8)
+            reply_text = f"Action: finished(content='{prose(rng, room).replace(chr(10), ' ')[:room]}')"
+        else:
+            reply_text = _action(rng, width, height, n)
+        turns.append(Turn("answer" if last else "tool_call", [message], n, think, {"role": "assistant", "content": reply_text}))
+    return turns
+
+
 # -- wire format -----------------------------------------------------------------------------
 
 
@@ -497,8 +610,23 @@ class Conversation:
         if group is not None:
             self.messages.append({"role": "system", "content": style_system_text(group.system_prompt, self.style)})
         self.next_turn = 0
+        self.images: dict[Screenshot, dict[str, Any]] = {}
+        """Each screenshot's content part, built once: every later request resends it, and
+        rebuilding megabytes of PNG and base64 per request would make the client the
+        run's bottleneck. A repeated screenshot is the same part object."""
+
+    def _part(self, part: Any) -> Any:
+        if not isinstance(part, Screenshot):
+            return part
+        built = self.images.get(part)
+        if built is None:
+            built = self.images[part] = part.part()
+        return built
 
     def _wire(self, msg: dict[str, Any]) -> dict[str, Any]:
+        content = msg.get("content")
+        if isinstance(content, list):
+            return {**msg, "content": [self._part(p) for p in content]}
         if msg.get("tool_calls"):
             calls = []
             for call in msg["tool_calls"]:
@@ -546,21 +674,77 @@ class SessionTokens:
 
 
 def session_tokens(session: Session, group: Group | None) -> SessionTokens:
-    """Exact estimate-mode token counts (bytes // 4 of the canonical rendering)."""
+    """Exact estimate-mode token counts (bytes // 4 of the canonical rendering, each
+    screenshot its image rule's tokens, as the router and the simulated workers count it)."""
     tools_bytes = len(render_tools(group.tools)) if group else 0
     history = tools_bytes
     shared = tools_bytes
     if group is not None:
         history += len(render_message({"role": "system", "content": group.system_prompt}))
         shared = history
+    counter = _screenshot_counter(session.image_rule)
     prompts, outputs = [], []
     for turn in session.turns:
         for msg in turn.new_messages:
-            history += len(render_message(_canonical_message(msg)))
+            history += _rendered_len(msg, counter)
         prompts.append(history // CHARS_PER_TOKEN)
         outputs.append(turn.max_tokens)
-        history += len(render_message(_canonical_message(turn.reply)))
+        history += _rendered_len(turn.reply, counter)
     return SessionTokens(shared // CHARS_PER_TOKEN, prompts, outputs)
+
+
+DATA_URL_HEAD = len("data:image/png;base64,")
+
+
+def screenshot_wire_bytes(session: Session) -> list[int]:
+    """Per request of the session: the bytes its screenshots add to the body beyond their
+    tokens' four bytes each (a 300 KB PNG is a 400 KB data URL, and some 2,000 tokens)."""
+    counter = _screenshot_counter(session.image_rule)
+    extra = 0
+    out = []
+    for turn in session.turns:
+        for msg in turn.new_messages:
+            for part in msg["content"] if isinstance(msg.get("content"), list) else ():
+                if isinstance(part, Screenshot):
+                    media = counter.media({"screenshot": part}, MODEL)
+                    assert media is not None
+                    extra += DATA_URL_HEAD + 4 * -(-part.size // 3) - media.tokens * CHARS_PER_TOKEN
+        out.append(extra)
+    return out
+
+
+class _ScreenshotCounter(MediaReader):
+    """Counts a `Screenshot` from its description as `MediaReader` counts its PNG (the rule
+    from its header's size), without building the PNG: the rate derivation counts
+    thousands of them."""
+
+    def media(self, part: dict[str, Any], model: str) -> Media | None:
+        shot = part.get("screenshot")
+        if not isinstance(shot, Screenshot):
+            return super().media(part, model)
+        rule = self.image_rule(model)
+        tokens = max(rule(shot.width, shot.height), 1) if rule is not None else self.settings.image_tokens_default
+        return Media("image", shot.seed.to_bytes(16, "big"), tokens)
+
+
+_COUNTERS: dict[str | None, _ScreenshotCounter] = {}
+
+
+def _screenshot_counter(image_rule: str | None) -> _ScreenshotCounter:
+    if image_rule not in _COUNTERS:
+        _COUNTERS[image_rule] = _ScreenshotCounter(MediaSettings(image_rule=image_rule or "auto"))
+    return _COUNTERS[image_rule]
+
+
+def _rendered_len(msg: dict[str, Any], counter: MediaReader) -> int:
+    """Bytes of a message's canonical rendering, a screenshot counting its tokens' bytes
+    (`normalizer.prefix.prompt_bytes`)."""
+    content = msg.get("content")
+    if not isinstance(content, list):
+        return len(render_message(_canonical_message(msg)))
+    parts = [{"type": "image_url", "screenshot": p} if isinstance(p, Screenshot) else p for p in content]
+    segments = message_segments({**msg, "content": parts}, MODEL, counter)
+    return sum(len(s) if isinstance(s, bytes) else s.tokens * CHARS_PER_TOKEN for s in segments)
 
 
 def _canonical_message(msg: dict[str, Any]) -> dict[str, Any]:
@@ -607,6 +791,9 @@ class Rates:
     expected_concurrent_sessions: float
     output_tokens_per_s: float
     """Offered decode tokens per simulated second (what the harness must stream)."""
+    request_bytes_per_s: float = 0.0
+    """Offered request bodies' bytes per simulated second (what the harness sends and the
+    router and the workers parse): four bytes a text token, each screenshot its data URL."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -633,11 +820,13 @@ def derive_rates(
     finals = []
     durations = []
     shapes = []
+    body_bytes = 0
     decode_step = cost.step_s([], [4096])
     for i in range(REFERENCE_SESSIONS):
         session = make_session(REFERENCE_SEED, scenario, i)
         group = groups.get(session.group) if session.group is not None else None
         toks = session_tokens(session, group)
+        body_bytes += sum(toks.prompts) * CHARS_PER_TOKEN + sum(screenshot_wire_bytes(session))
         sends = zero_load_timeline(session, toks, cost)[:-1]
         shapes.append(SessionShape(toks.shared, tuple(toks.prompts), tuple(toks.outputs), tuple(sends)))
         prev = toks.shared
@@ -684,6 +873,7 @@ def derive_rates(
         mean_session_duration_s=mean_duration,
         expected_concurrent_sessions=rate * mean_duration,
         output_tokens_per_s=rate * out_sum / n,
+        request_bytes_per_s=rate * body_bytes / n,
         notes=[
             "capacity = workers × 1 s of prefill per s ÷ prefill seconds per session (simulator cost model)",
             "cache-blind: each request recomputes everything but its group's tools + system prompt",
