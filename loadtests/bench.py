@@ -90,6 +90,14 @@ simulator and the router with room to spare (measured in `hot-prefix` with cache
 2,000 tokens/s: client 0.15 cores, simulator 0.38, kvroute 0.21; so ~1.1 of the 2 cores at
 3,000). `--time-scale auto` slows simulated time until the workload's offered output stays
 under it; the bottleneck flag checks the outcome."""
+HARNESS_BODY_BYTES_PER_WALL_S = 20e6
+"""Request bytes per wall second this machine moves with room to spare. Screenshot
+conversations send megabytes a request, and each megabyte costs CPU whatever its tokens:
+`screenshots` on 2 workers at `--time-scale 0.2` sent 65–90 MB/s and took about 2.4–3.4 ms
+of the client's CPU, 4.3–4.9 ms of kvroute's and 4.7–5.1 ms of the simulator's per MB (all
+their work over the bytes sent), kept the machine 90–95% busy and flagged both runs. At
+20 MB/s that is about a quarter core in each.
+`--time-scale auto` slows simulated time until the offered bytes stay under it too."""
 MIN_AUTO_TIME_SCALE = 0.5
 MAX_AUTO_TIME_SCALE = 8.0
 MAX_PROBE_TIME_SCALE = 16.0
@@ -168,8 +176,8 @@ def parse_entries(policies: str, peers: str) -> list[Entry]:
     return entries
 
 
-def auto_time_scale(output_tokens_per_s: float) -> float:
-    scale = output_tokens_per_s / HARNESS_TOKENS_PER_WALL_S
+def auto_time_scale(output_tokens_per_s: float, request_bytes_per_s: float = 0.0) -> float:
+    scale = max(output_tokens_per_s / HARNESS_TOKENS_PER_WALL_S, request_bytes_per_s / HARNESS_BODY_BYTES_PER_WALL_S)
     return round(min(max(scale, MIN_AUTO_TIME_SCALE), MAX_AUTO_TIME_SCALE), 2)
 
 
@@ -233,6 +241,13 @@ class RunSetup:
     """The remote tier every node reads (0: none)."""
     remote_gbps: float | None = None
     """The remote tier's bandwidth (None: the simulator's and the router's default)."""
+    image_rule: str | None = None
+    """The scenario's image rule (`ScenarioSpec.image_rule`), or None for none."""
+
+    def image_args(self) -> list[str]:
+        """`--image-rule`, the same for the simulator and kvroute: the router predicts an
+        image's tokens as the workers count them."""
+        return ["--image-rule", self.image_rule] if self.image_rule else []
 
     def tier_args(self, pool: bool) -> list[str]:
         """The slower tiers' flags, the same for the simulator and kvroute."""
@@ -259,6 +274,7 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
     if setup.nodes > 1 and not entry.one_pool:
         args += node_flags(topology(setup.workers, setup.nodes))
     args += setup.tier_args(entry.pool)
+    args += setup.image_args()
     if entry.prefill_queue:
         args += ["--prefill-queue-tokens", str(entry.prefill_queue)]
     if entry.cost is not None:
@@ -294,7 +310,7 @@ async def run_entry(
         pool_in_process=True,
         # The workload replays scripted replies and sizes each turn's output with max_tokens:
         # a simulated tool call on "auto" would cut generations short of the trace's lengths.
-        extra_args=["--auto-tool-calls", "text", *tiers],
+        extra_args=["--auto-tool-calls", "text", *tiers, *setup.image_args()],
         speeds=setup.speeds,
         nodes=setup.nodes,
     )
@@ -887,7 +903,11 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         if speeds:
             # A fleet of slower GPUs has less capacity: its load is relative to its total speed.
             rates = replace(rates, arrival_rate_per_s=rates.arrival_rate_per_s * sum(speeds) / len(speeds))
-        time_scale = auto_time_scale(rates.output_tokens_per_s) if args.time_scale == "auto" else float(args.time_scale)
+        time_scale = (
+            auto_time_scale(rates.output_tokens_per_s, rates.request_bytes_per_s)
+            if args.time_scale == "auto"
+            else float(args.time_scale)
+        )
         workload = build_workload(
             scenario, args.seed, rates.arrival_rate_per_s, warmup_s=args.warmup, window_s=args.window, cost=cost
         )
@@ -895,7 +915,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     setup = RunSetup(
         args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api, args.seed,
         speeds, tuple(cost_learning.parse_speed_changes(args.speed_change)), args.nodes, args.disk_capacity_tokens,
-        args.remote_capacity_tokens, args.remote_gbps,
+        args.remote_capacity_tokens, args.remote_gbps, None if args.trace else scenario.image_rule,
     )  # fmt: skip
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
@@ -1065,6 +1085,10 @@ def cli(argv: list[str]) -> int:
         return 2
     elif args.api not in SCENARIO_API_PATHS:
         print(f"kvroute bench: --api {args.api} applies to --trace; a scenario is sent as {', '.join(SCENARIO_API_PATHS)}", file=sys.stderr)
+        return 2
+    elif SCENARIOS[args.scenario].screenshot_bytes and args.api != "chat":
+        # loadtests.agent_wire converts text conversations: it would drop the screenshots.
+        print(f"kvroute bench: --scenario {args.scenario} is sent as chat only (its screenshots have no {args.api} form here)", file=sys.stderr)
         return 2
     if args.time_scale != "auto":
         try:
