@@ -246,6 +246,8 @@ class MediaReader:
     def media(self, part: dict[str, Any], model: str) -> Media | None:
         """The part's `Media` element, or None if it is not a media part."""
         kind = part.get("type")
+        if not isinstance(kind, str):
+            return None
         if kind in ("image_url", "input_image", "image"):
             return self._image(_url_of(part, kind), model)
         if kind in ("input_audio", "audio_url"):

@@ -115,7 +115,7 @@ def message_segments(msg: Any, model: str, media: MediaReader) -> list[Segment]:
     parts between media keep their JSON rendering, as `render_message` renders them)."""
     content = msg.get("content") if isinstance(msg, dict) else None
     if not isinstance(content, list) or not any(
-        isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES for p in content
+        isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] in MEDIA_PART_TYPES for p in content
     ):
         return [render_message(msg)]
     out: list[Segment] = []

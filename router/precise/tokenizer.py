@@ -189,7 +189,7 @@ def _text_parts(content: Any) -> list[str]:
             texts.append(part)
         elif isinstance(part, Mapping) and part.get("type") in ("text", "input_text", "output_text", "refusal"):
             texts.append(part.get("text") if part.get("type") != "refusal" else part.get("refusal", ""))
-        elif isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES:
+        elif isinstance(part, Mapping) and isinstance(part.get("type"), str) and part["type"] in MEDIA_PART_TYPES:
             raise MediaRequest(f"content part {part.get('type')}")
         else:
             raise UnsupportedRequest(f"content part {part.get('type') if isinstance(part, Mapping) else part!r}")

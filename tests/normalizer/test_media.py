@@ -121,6 +121,13 @@ def test_an_image_truncated_after_its_header_is_counted_by_the_header() -> None:
     assert element is not None and element.tokens == qwen2_vl(1920, 1080)
 
 
+def test_a_part_whose_type_is_not_a_string_is_no_media() -> None:
+    weird = {"type": {}, "text": "", "image_url": {"url": ""}}
+    assert MediaReader().media(weird, QWEN) is None
+    segments, _ = chat_prompt({"model": QWEN, "messages": [{"role": "user", "content": [weird, {"type": ["x"]}]}]}, MediaReader())
+    assert len(segments) == 2 and all(isinstance(s, bytes) for s in segments)
+
+
 def test_audio_and_video_parts_count_their_estimates() -> None:
     settings = MediaSettings(audio_tokens=300, video_tokens=2000)
     reader = MediaReader(settings)
