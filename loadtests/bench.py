@@ -6,6 +6,10 @@
     kvroute bench --trace FILE [--trace-window START,MINUTES] [--trace-speed X] \
         [--api chat|completions] --policies ... [--peers ...] --out DIR
 
+With `--via envoy`, kvroute entries receive the requests through Envoy asking `kvroute epp`
+where each goes (the Gateway API Inference Extension's picker protocol, loadtests/envoy.py);
+`--via proxy,envoy` runs each both ways (through Envoy as NAME+envoy).
+
 With `--trace`, a request trace replaces the scenario (`loadtests.traces`: its requests at
 their times, the trace's ideal reuse and TTFT floor reported beside each router).
 A scenario's requests go through `/v1/chat/completions` by default, or with `--api responses`
@@ -52,7 +56,7 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtests import cost_learning, harness, traces
+from loadtests import cost_learning, envoy, harness, traces
 from loadtests.agent_wire import SCENARIO_API_PATHS
 from loadtests.extras import require_bench_extra
 from loadtests.harness import (
@@ -131,6 +135,9 @@ class Entry:
     one_pool: bool = False
     """kvroute told nothing of the nodes (`NAME+onepool`): it takes every pool for one that
     every worker reaches, as a router without topology does."""
+    via: str = "proxy"
+    """How kvroute receives the requests (`--via`): `proxy` (kvroute serve), or `envoy`
+    (Envoy asking `kvroute epp`, loadtests/envoy.py)."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -315,10 +322,12 @@ async def run_entry(
         nodes=setup.nodes,
     )
     await asyncio.to_thread(cluster.start)
-    router: RouterProcess | PeerRouter
+    router: RouterProcess | PeerRouter | envoy.EnvoyPicker
     try:
         log = str(setup.logs / f"{entry.key.replace('/', '_')}.log")
-        if entry.kind == "kvroute":
+        if entry.kind == "kvroute" and entry.via == "envoy":
+            router = envoy.EnvoyPicker(cluster.worker_urls, entry.policy, _kvroute_args(setup, entry), log_path=log)
+        elif entry.kind == "kvroute":
             router = RouterProcess(cluster.worker_urls, entry.policy, _kvroute_args(setup, entry), log_path=log)
         else:
             assert entry.peer is not None
@@ -332,7 +341,7 @@ async def run_entry(
         await asyncio.to_thread(cluster.stop)
 
 
-async def _router_metrics(router: RouterProcess | PeerRouter) -> str:
+async def _router_metrics(router: RouterProcess | PeerRouter | envoy.EnvoyPicker) -> str:
     try:
         return await asyncio.to_thread(router.metrics)
     except httpx.HTTPError:
@@ -344,11 +353,14 @@ async def _measure(
     workload: Workload | traces.Trace,
     setup: RunSetup,
     cluster: Any,
-    router: RouterProcess | PeerRouter,
+    router: RouterProcess | PeerRouter | envoy.EnvoyPicker,
     progress: ProgressBar | None,
 ) -> tuple[dict[str, Any], RunOutcome]:
     assert cluster.proc is not None and router.proc is not None
     pids = {"simulator": cluster.proc.pid, "router": router.proc.pid, "client": os.getpid()}
+    if isinstance(router, envoy.EnvoyPicker) and router.envoy.proc is not None:
+        pids["envoy"] = router.envoy.proc.pid
+    admin_url = router.admin_url if isinstance(router, envoy.EnvoyPicker) else router.url
     loop_processes = ["simulator", "client"] + (["router"] if entry.kind == "kvroute" else [])
     async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
         before = await scrape_workers(client, cluster.worker_urls)
@@ -358,11 +370,11 @@ async def _measure(
         probes = HttpProbes(
             {
                 "simulator": next(iter(cluster.worker_urls.values())) + "/health",
-                "router": router.url + ("/health" if entry.kind == "kvroute" else "/liveness"),
+                "router": admin_url + ("/health" if entry.kind == "kvroute" else "/liveness"),
             }
         )
         queues = QueueSampler(client, cluster.worker_urls)
-        costs = cost_learning.CostSampler(client, router.url, setup.time_scale) if entry.kind == "kvroute" else None
+        costs = cost_learning.CostSampler(client, admin_url, setup.time_scale) if entry.kind == "kvroute" else None
         monitor.start()
         probes.start()
         queues.start()
@@ -674,6 +686,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = cost_learning.comparison(routers)
+    out.update(envoy.via_comparison(routers))
     ca = routers.get("cache_aware")
     if ca is None:
         return out
@@ -859,6 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed-change", default=None,
         help="WORKER=SPEED@SIM_SECONDS[,...]: change a worker's speed during the run (POST /sim/speed)",
     )  # fmt: skip
+    p.add_argument("--via", default="proxy", help="how kvroute entries get requests: proxy, envoy (Envoy asking kvroute "
+                   "epp) or proxy,envoy (each both ways; through Envoy as NAME+envoy)")
     p.add_argument("--out", required=True)
     return p
 
@@ -889,7 +904,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    entries = parse_entries(args.policies, args.peers)
+    entries = envoy.with_via(parse_entries(args.policies, args.peers), envoy.parse_via(args.via))
     speeds = cost_learning.parse_speeds(args.speeds, args.workers)
     scenario = SCENARIOS[args.scenario]
     cost = build_cost_model(args.profile)
@@ -1061,6 +1076,7 @@ def cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         parse_entries(args.policies, args.peers)
+        envoy.parse_via(args.via)
         if args.nodes < 1 or args.workers % args.nodes:
             raise ValueError(f"--workers {args.workers} must split evenly over --nodes {args.nodes}")
     except ValueError as exc:

@@ -11,6 +11,8 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router"),
+    "epp": ("router.epp.server", "run as a Gateway API Inference Extension endpoint picker"),
+    "envoy-config": ("router.epp.envoy_config", "print an Envoy bootstrap that routes through kvroute epp"),
     "demo": ("loadtests.demo", "simulated cluster + router + workload: random vs cache_aware TTFT"),
     "sim-worker": ("loadtests.sim.worker", "one simulated vLLM worker"),
     "sim-pool": ("loadtests.sim.pool", "the simulated shared LMCache CPU pool"),
@@ -22,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: kvroute COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<13} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

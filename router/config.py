@@ -17,6 +17,7 @@ from normalizer.media import MediaSettings
 from router.auth import SecuritySettings
 from router.breaker import BreakerSettings, OutlierSettings
 from router.cost import CostSettings
+from router.epp.settings import EppSettings
 from router.policies import RoutingSettings
 from router.precise.settings import PreciseSettings
 from router.proxy.admission import AdmissionSettings
@@ -68,3 +69,5 @@ class RouterConfig:
     precise: PreciseSettings = field(default_factory=PreciseSettings)
     tenants: TenantSettings = field(default_factory=TenantSettings)
     isolation: IsolationSettings = field(default_factory=IsolationSettings)
+    epp: EppSettings = field(default_factory=EppSettings)
+    """`kvroute epp`'s own settings (router/epp); `kvroute serve` ignores them."""

@@ -89,6 +89,8 @@ FLAT_KEYS: dict[str, Slot] = {
     "tenant_replicas": ("tenants", "replicas"),
     "tenant_concurrency_lease_s": ("tenants", "concurrency_lease_s"),
     **_prefixed("isolation", "tenant_", "salt_secret", "salt_secret_file"),
+    "epp_listen": ("epp", "listen"),
+    **_prefixed("epp", "epp_", "tls_cert_file", "tls_key_file", "self_signed_tls"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
 
@@ -172,6 +174,11 @@ HELP = {
     "Redis is unreachable (0: as many as the load board last saw in Redis)",
     "tenant_concurrency_lease_s": "tenants: longest a request holds its tenant's concurrency slot in Redis "
     "(slots of a replica that died free after it)",
+    "epp_listen": "kvroute epp only: HOST:PORT of its gRPC server (the gateway's ext_proc calls and gRPC health)",
+    "epp_tls_cert_file": "kvroute epp only: serve gRPC over TLS with this certificate (PEM, with --epp-tls-key-file)",
+    "epp_tls_key_file": "kvroute epp only: the key of --epp-tls-cert-file (PEM)",
+    "epp_self_signed_tls": "kvroute epp only: serve gRPC over TLS with a certificate made at start (gateways that "
+    "encrypt without verifying the picker, e.g. kgateway)",
     "tenant_salt_secret_file": "tenants: file holding the secret the per-tenant cache salts derive from "
     "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }
@@ -197,9 +204,9 @@ def _field_type(slot: Slot) -> type:
     return typing.get_origin(hint) or hint
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvroute serve",
+        prog=prog,
         description="KV-cache-aware OpenAI-compatible router for vLLM workers. Every flag is also an "
         "environment variable (--kv-capacity-tokens: KVROUTE_KV_CAPACITY_TOKENS) and a YAML key "
         "(kv_capacity_tokens, or nested by section: index: {kv_capacity_tokens: ...}).",
@@ -361,9 +368,9 @@ def _assemble(values: dict[Slot, Any], env: Mapping[str, str]) -> RouterConfig:
     return config
 
 
-def load_config(argv: list[str], environ: Mapping[str, str] | None = None) -> RouterConfig:
+def load_config(argv: list[str], environ: Mapping[str, str] | None = None, prog: str = "kvroute serve") -> RouterConfig:
     env = environment() if environ is None else environ
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(prog).parse_args(argv))
     values: dict[Slot, Any] = {}
     config_path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
     if config_path:

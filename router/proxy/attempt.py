@@ -29,7 +29,7 @@ from router.workers import Worker
 if TYPE_CHECKING:
     from router.proxy.handler import Proxy
 
-_RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 
 class AttemptFailed(Exception):
@@ -168,7 +168,7 @@ class Attempt:
             try:
                 upstream = self.upstream = await proxy.client.post(self.worker.url, ex.scope["path"], self._headers(ex), ex.payload)
                 status = upstream.status
-                if status in _RETRYABLE_STATUS:
+                if status in RETRYABLE_STATUS:
                     await upstream.read()
                     raise AttemptFailed(f"worker answered {status}", passive_down=False)
                 chunks = self.chunks = upstream.chunks()

@@ -49,7 +49,7 @@ class Exchange:
     __slots__ = (
         "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "generated", "grant",
         "headers", "kind", "last_error", "model", "payload", "prefill_turn", "queue_deadline", "recorded", "scope", "send", "session_key",
-        "started", "stream", "tenant", "tried", "turn",
+        "started", "stream", "tenant", "tried", "turn", "within",
     )  # fmt: skip
 
     def __init__(self, scope: dict, send: Any, arrived: float) -> None:
@@ -90,6 +90,9 @@ class Exchange:
         """The tenant limits' hold on this request, given back whichever way it ends."""
         self.generated = 0
         """Generated tokens the answer's usage reported (with tenants: charged to the tenant)."""
+        self.within: frozenset[str] | None = None
+        """The workers it may go to, when a gateway narrows them (the endpoint picker's
+        subset hint, router/epp); None: every candidate."""
 
     def load(
         self, raw: bytes, settings: ProxySettings, normalize: NormalizeOptions, cache_salt: str | None = None

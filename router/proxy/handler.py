@@ -12,7 +12,7 @@ itself are in the endpoint's error shape (`Exchange.endpoint.api`). A client tha
 which closes the upstream request so the engine aborts it and frees its KV blocks.
 
 This module is the request's outline: `Proxy.__call__` (the ASGI entry: body, errors,
-disconnects), `decide` (rank the candidates), `_handle` (then, for each candidate in
+disconnects), `decide` (rank the candidates), `handle` (then, for each candidate in
 order, one `Attempt`, attempt.py; the answer itself is relay.py's).
 """
 
@@ -105,6 +105,10 @@ class TenantLookup(Protocol):
 
 
 class Proxy:
+    attempt_type: type[Attempt] = Attempt
+    """What one try on one worker is: `Attempt` forwards it; the endpoint picker's
+    (router/epp) answers its gateway with the worker and observes the gateway's answer."""
+
     def __init__(
         self,
         settings: ProxySettings,
@@ -173,11 +177,8 @@ class Proxy:
         try:
             raw = await read_body(scope, receive, self.settings.max_body_bytes)
             watcher = asyncio.create_task(self._watch(ex, receive, task))  # type: ignore[arg-type]
-            if self.tenants is not None:
-                ex.tenant = self.tenants.for_key(presented_key(scope["headers"]))
-            salt = self.salter.salt_for(ex.tenant) if self.salter is not None else None
-            ex.load(raw, self.settings, self.normalize, salt)
-            await self._handle(ex)
+            self.prepare(ex, raw)
+            await self.handle(ex)
         except Disconnected:
             self.metrics.client_disconnects.inc()
         except RouterError as exc:
@@ -209,9 +210,17 @@ class Proxy:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            self._finished(ex)
+            self.end(ex)
 
-    def _finished(self, ex: Exchange) -> None:
+    def prepare(self, ex: Exchange, raw: bytes) -> None:
+        """Whose request it is (its tenant, from the client key), and its body read once:
+        parsed, checked, canonicalized with the tenant's cache salt, serialized."""
+        if self.tenants is not None:
+            ex.tenant = self.tenants.for_key(presented_key(ex.scope["headers"]))
+        salt = self.salter.salt_for(ex.tenant) if self.salter is not None else None
+        ex.load(raw, self.settings, self.normalize, salt)
+
+    def end(self, ex: Exchange) -> None:
         """Every end path (answer, error, disconnect, cancel): give back the tenant's hold
         and charge the generated tokens to its limits and its fair share."""
         if ex.tenant is None:
@@ -234,8 +243,12 @@ class Proxy:
             task.cancel()
 
     # -- routing ------------------------------------------------------------------------
-    def _candidates(self, model: str) -> list[Worker]:
+    def _candidates(self, model: str, within: frozenset[str] | None = None) -> list[Worker]:
         candidates = self.fleet.candidates(model or None)  # "": a pass-through without a model
+        if within is not None:
+            candidates = [w for w in candidates if w.name in within]
+            if not candidates:
+                raise RouterError(503, "No worker the gateway allows is available for this model.", "no_healthy_worker", retry_after=1)
         if candidates:
             return candidates
         known = any(model in w.models for w in self.fleet)
@@ -249,15 +262,19 @@ class Proxy:
 
     async def decide(
         self, body: dict[str, Any], kind: RequestKind | None, model: str, session_key: str | None,
-        chain: PrefixChain | None = None,
+        chain: PrefixChain | None = None, within: frozenset[str] | None = None,
     ) -> Routed:
         """Everything between a canonical body and a worker: the part `/debug/route` explains.
         It only reads (the index, the loads, the ends memory): what routing a request teaches
-        the router is recorded when the request is sent (`_try_ranking`), so a dry run
-        changes no later decision. `chain`: the body's, if already built."""
+        the router is recorded when the request is sent (`record_sent`), so a dry run
+        changes no later decision. `chain`: the body's, if already built; `within`: the
+        workers a gateway allows (None: all)."""
         if kind == "responses" and (prev := previous_id(body)) is not None:
-            return await self._pinned(body, prev)
-        candidates = self._candidates(model)
+            routed = await self._pinned(body, prev)
+            if within is not None and routed.decision.worker not in within:
+                raise owner_unavailable(prev)
+            return routed
+        candidates = self._candidates(model, within)
         if kind is None:
             chain, view, continues = _EMPTY_CHAIN, EMPTY_VIEW, None
         else:
@@ -325,7 +342,10 @@ class Proxy:
             )
 
     # -- rank, then attempt each candidate in turn --------------------------------------
-    async def _handle(self, ex: Exchange) -> None:
+    async def handle(self, ex: Exchange) -> None:
+        """A loaded request (`prepare`), from its tenant's limits and the admission queue
+        to the end of its answer; each try is an `attempt_type` (the endpoint picker's
+        answers its gateway instead of forwarding)."""
         admission = self.admission
         first: Routed | None = None
         flow = _flow(ex) if admission.activity is not None else NO_FLOW
@@ -340,7 +360,7 @@ class Proxy:
             if self.prefill_queue.enabled:
                 first = await self._hold_for_prefill(ex, first)
             while True:
-                choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
+                choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key, within=ex.within)
                 first = None
                 if ex.choice is None:
                     self._observe_route(ex, choice)
@@ -371,7 +391,7 @@ class Proxy:
         choice = None
         try:
             if decide:
-                choice = await self.decide(ex.body, ex.kind, ex.model, ex.session_key, chain=chain)
+                choice = await self.decide(ex.body, ex.kind, ex.model, ex.session_key, chain=chain, within=ex.within)
         finally:
             # Settled even if deciding failed: the check may have been charged in Redis.
             try:
@@ -388,7 +408,7 @@ class Proxy:
         wait. With in-flight limits it keeps the slot it was handed meanwhile."""
         if ex.kind == "responses" and previous_id(ex.body) is not None:
             return first
-        choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key)
+        choice = first or await self.decide(ex.body, ex.kind, ex.model, ex.session_key, within=ex.within)
         queue = self.prefill_queue
         if not queue.must_wait(ex.model, choice.loads):
             return choice
@@ -477,11 +497,11 @@ class Proxy:
                 continue
             expected = _expected_first_token_s(choice, name, ex.stream)
             if name == decision.worker:
-                attempt = Attempt(self, worker, decision.reason, decision.prefill_s, *expected)
+                attempt = self.attempt_type(self, worker, decision.reason, decision.prefill_s, *expected)
             else:
                 reason = "retry" if ex.attempts else "overload"
                 cost = self.loads.costs.get(name) or self.cost  # its own learned costs, if any
-                attempt = Attempt(self, worker, reason, cost.prefill_s(0, chain.total_tokens), *expected)
+                attempt = self.attempt_type(self, worker, reason, cost.prefill_s(0, chain.total_tokens), *expected)
             if ex.turn:
                 admission.end_turn()
                 ex.turn = False
@@ -496,12 +516,7 @@ class Proxy:
             # One try on one worker, inline rather than a coroutine of its own: every frame
             # between the task and the upstream read is re-entered on each chunk relayed.
             try:
-                if chain.keys:  # sent, not a dry run: what routing it teaches the router
-                    if self.ends is not None:
-                        self.ends.record(name, chain)
-                    if self.chains.records_on_route or chain.fallback:
-                        await self._record(worker, chain)
-                        ex.recorded = True
+                await self.record_sent(ex, worker, chain)
                 await attempt.run(ex)
                 return "answered"
             except AttemptFailed as exc:
@@ -540,6 +555,15 @@ class Proxy:
         slot on a worker guarding another tenant's prefill is not free to it."""
         admission = self.admission
         return any(w.serving and admission.room_for(w.name, self.loads.inflight(w.name), flow) for w in self.fleet)
+
+    async def record_sent(self, ex: Exchange, worker: Worker, chain: PrefixChain) -> None:
+        """`ex` is sent to `worker` (not a dry run): what routing it teaches the router."""
+        if chain.keys:
+            if self.ends is not None:
+                self.ends.record(worker.name, chain)
+            if self.chains.records_on_route or chain.fallback:
+                await self._record(worker, chain)
+                ex.recorded = True
 
     async def _record(self, worker: Worker, chain: PrefixChain) -> None:
         """The prompt is now on `worker`'s GPU and, once its LMCache stores it, in the

@@ -54,9 +54,9 @@ async def send_whole(send: Any, status: int, headers: Headers, body: bytes) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-_FIRST_OUTPUT = b"response.output_item.added"
+FIRST_OUTPUT = b"response.output_item.added"
 """The Responses stream event that comes with the first generated token."""
-_COUNTED_KINDS = frozenset({"chat", "completion"})
+COUNTED_KINDS = frozenset({"chat", "completion"})
 """Streams whose usage is the client's option: their token events are counted."""
 
 
@@ -83,7 +83,7 @@ async def relay_stream(
     tail = b""
     last = previous = first  # usage arrives in the last chunks: per-tenant generated tokens
     # Without usage (the client did not ask for it) the token events stand in for it.
-    counting = metrics.tenants is not None and ex.kind in _COUNTED_KINDS
+    counting = metrics.tenants is not None and ex.kind in COUNTED_KINDS
     streamed = token_events(first) if counting else 0
     try:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -93,12 +93,12 @@ async def relay_stream(
         # A Responses stream's prefill is over at its first output item, not its first
         # byte (response.created): see Attempt.run.
         prefilling = ex.kind == "responses"
-        if prefilling and _FIRST_OUTPUT in first:
+        if prefilling and FIRST_OUTPUT in first:
             prefilling = False
             attempt.prefilled(loop.time())
         async for chunk in chunks:
             flight.extend(loop.time() + idle)
-            if prefilling and _FIRST_OUTPUT in chunk:
+            if prefilling and FIRST_OUTPUT in chunk:
                 prefilling = False
                 attempt.prefilled(loop.time())
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

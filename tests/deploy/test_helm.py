@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvroute"
 PRODUCTION = CHART / "examples" / "production.yaml"
 MULTI_NODE = CHART / "examples" / "multi-node.yaml"
+EPP = CHART / "examples" / "epp.yaml"
 DASHBOARD = ROOT / "helm" / "dashboards" / "kvroute.json"
 NS = "llm"
 SVC = f"{NS}.svc.cluster.local"
@@ -808,6 +809,7 @@ TOKENIZER = "/models/qwen3-8b"
         ["--set", "router.discovery.mode=static"],
         ["--set", "router.discovery.mode=k8s", "--set", "lmcache.enabled=false"],
         ["-f", str(MULTI_NODE)],
+        ["-f", str(EPP)],
         ["--set", "redis.mode=external", "--set", "redis.external.url=redis://127.0.0.1:6379/3"],
         ["--set", "router.discovery.mode=static", "--set", f"router.precise.tokenizer={TOKENIZER}",
          "--set", "router.precise.hashSeed=7", "--set", "router.kvEvents={ext=tcp://10.0.0.9:5557}"],
@@ -890,3 +892,139 @@ def test_notes_tell_how_to_reach_the_endpoint(helm: str, tmp_path: Path) -> None
     assert "EndpointSlices" not in notes
     per_node = render_notes(helm, tmp_path / "per-node", "--set", "lmcache.kind=DaemonSet")
     assert "kubectl get endpointslices -n llm -l kubernetes.io/service-name=kvroute-vllm-headless" in per_node
+
+
+# -- EPP mode: kvroute as an InferencePool's endpoint picker ----------------------------------
+
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+INFERENCE_POOL_SPEC = {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}
+"""The fields of InferencePool.spec (inference.networking.k8s.io/v1)."""
+ENDPOINT_PICKER_REF = {"group", "kind", "name", "port", "failureMode"}
+
+
+def check_inference_pool(pool: Doc) -> None:
+    """The object against the v1 API's definition: its fields and their constraints."""
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    spec = pool["spec"]
+    assert set(spec) <= INFERENCE_POOL_SPEC and {"selector", "targetPorts"} <= set(spec)
+    assert set(spec["selector"]) == {"matchLabels"}
+    labels = spec["selector"]["matchLabels"]
+    assert 1 <= len(labels) <= 64
+    assert all(isinstance(v, str) and len(v) <= 63 and LABEL_VALUE.match(v) for v in labels.values())
+    ports = [p["number"] for p in spec["targetPorts"]]
+    assert all(set(p) == {"number"} for p in spec["targetPorts"])
+    assert 1 <= len(ports) <= 8 and len(set(ports)) == len(ports)
+    assert all(isinstance(n, int) and 1 <= n <= 65535 for n in ports)
+    ref = spec["endpointPickerRef"]
+    assert set(ref) <= ENDPOINT_PICKER_REF and ref["name"]
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    assert set(ref["port"]) == {"number"} and 1 <= ref["port"]["number"] <= 65535  # required for a Service
+    assert ref.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
+
+
+def test_epp_mode_renders_the_picker_its_pool_and_a_route(helm: str) -> None:
+    docs = render(helm, "-f", str(EPP))
+    pool = find(docs, "InferencePool", "kvroute")
+    check_inference_pool(pool)
+    spec = pool["spec"]
+    vllm = find(docs, "StatefulSet", "kvroute-vllm")
+    pod_labels = vllm["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()  # the pool is the vLLM pods
+    assert [p["number"] for p in spec["targetPorts"]] == [8000]
+    # The picker: its Service's gRPC port is what the pool names.
+    svc = find(docs, "Service", "kvroute")
+    grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert spec["endpointPickerRef"] == {"kind": "Service", "name": "kvroute", "port": {"number": grpc_port["port"]}, "failureMode": "FailClose"}
+    assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
+    router = find(docs, "Deployment", "kvroute")
+    c = container(router, "router")
+    assert c["command"] == ["kvroute", "epp"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "grpc": 9002}
+    assert c["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert c["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    # The picker discovers the pool by its selector: a headless Service of the same selector.
+    pool_svc = find(docs, "Service", "kvroute-pool")
+    assert pool_svc["spec"]["clusterIP"] == "None"
+    assert pool_svc["spec"]["selector"] == spec["selector"]["matchLabels"]
+    cfg = router_config(docs)
+    assert cfg["discover"] == [f"k8s://{NS}/kvroute-pool:8000"] and cfg["epp_listen"] == "0.0.0.0:9002"
+    assert "workers" not in cfg
+    assert router["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert find(docs, "Role", "kvroute-discovery")["rules"][0]["resources"] == ["endpointslices"]
+    route = find(docs, "HTTPRoute", "kvroute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] == [{"name": "inference-gateway"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "kvroute"}]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+
+
+def test_the_rendered_epp_config_is_accepted_by_kvroute_epp(helm: str, tmp_path: Path) -> None:
+    from router.config_loader import load_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(router_config(render(helm, "-f", str(EPP)))))
+    config = load_config(["--config", str(path)], environ={}, prog="kvroute epp")
+    assert config.epp.listen == "0.0.0.0:9002"
+    assert config.discover == [f"k8s://{NS}/kvroute-pool:8000"]
+
+
+def test_epp_mode_with_a_pool_of_its_own(helm: str) -> None:
+    docs = render(
+        helm, "-f", str(EPP), "--set", "vllm.enabled=false", "--set", "lmcache.enabled=false",
+        "--set", "epp.inferencePool.selector.app=my-vllm", "--set", "epp.inferencePool.targetPorts={8000,8001}",
+        "--set", "epp.inferencePool.failureMode=FailOpen", "--set", "epp.inferencePool.name=chat-pool",
+        "--set", "epp.httpRoute.enabled=false",
+    )  # fmt: skip
+    pool = find(docs, "InferencePool", "chat-pool")
+    check_inference_pool(pool)
+    assert pool["spec"]["selector"] == {"matchLabels": {"app": "my-vllm"}}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [8000, 8001]
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert router_config(docs)["discover"] == [f"k8s://{NS}/kvroute-pool:8000", f"k8s://{NS}/kvroute-pool:8001"]
+    assert [p["port"] for p in find(docs, "Service", "kvroute-pool")["spec"]["ports"]] == [8000, 8001]
+    assert not [d for d in docs if d["kind"] == "HTTPRoute"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "epp.inferencePool.targetPorts={1,2,3,4,5,6,7,8,9}"], "targetPorts"),
+        (["--set", "epp.inferencePool.failureMode=Sometimes"], "failureMode"),
+        (["--set", "vllm.enabled=false", "--set", "lmcache.enabled=false"], "epp.inferencePool.selector"),
+        (["--set", "router.workers={ext=http://10.0.0.9:8000}"], "router.workers"),
+    ],
+)
+def test_epp_mode_refuses_what_the_api_or_the_picker_cannot_take(helm: str, args: list[str], message: str) -> None:
+    proc = run_template(helm, "-f", str(EPP), *args)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_proxy_mode_renders_no_picker(default: list[Doc]) -> None:
+    assert not [d for d in default if d["kind"] in ("InferencePool", "HTTPRoute")]
+    assert container(find(default, "Deployment", "kvroute"), "router")["command"] == ["kvroute", "serve"]
+    assert [p["name"] for p in find(default, "Service", "kvroute")["spec"]["ports"]] == ["http"]
+
+
+def test_notes_in_epp_mode_name_the_pool(helm: str, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path / "epp", "-f", str(EPP))
+    assert "endpoint picker (kvroute epp) of the InferencePool kvroute" in notes
+    assert "kubectl get inferencepool -n llm kvroute" in notes
+    assert "port-forward" not in notes
+
+
+def test_epp_tls_modes(helm: str) -> None:
+    plain = container(find(render(helm, "-f", str(EPP)), "Deployment", "kvroute"), "router")
+    assert "grpc" in plain["readinessProbe"]
+    docs = render(helm, "-f", str(EPP), "--set", "epp.tls.mode=selfSigned")
+    assert router_config(docs)["epp_self_signed_tls"] is True
+    c = container(find(docs, "Deployment", "kvroute"), "router")
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # the kubelet's gRPC probes speak no TLS
+    docs = render(helm, "-f", str(EPP), "--set", "epp.tls.mode=secret", "--set", "epp.tls.secretName=picker-tls")
+    cfg = router_config(docs)
+    assert (cfg["epp_tls_cert_file"], cfg["epp_tls_key_file"]) == ("/etc/kvroute/epp-tls/tls.crt", "/etc/kvroute/epp-tls/tls.key")
+    router = find(docs, "Deployment", "kvroute")
+    assert volumes(router)["epp-tls"]["secret"]["secretName"] == "picker-tls"
+    assert mounts(container(router, "router"))["/etc/kvroute/epp-tls"] == "epp-tls"
+    proc = run_template(helm, "-f", str(EPP), "--set", "epp.tls.mode=secret")
+    assert proc.returncode != 0 and "epp.tls.secretName" in proc.stderr

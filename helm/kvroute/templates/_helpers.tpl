@@ -171,9 +171,44 @@ app.kubernetes.io/part-of: kvroute
 {{- end -}}
 {{- end -}}
 
-{{/* Whether the router talks to the API server (k8s:// discovery of the chart's workers). */}}
+{{/* Whether the router talks to the API server (k8s:// discovery of the chart's workers,
+     or of the InferencePool's pods in epp mode). */}}
 {{- define "kvroute.router.usesApi" -}}
-{{- if and .Values.vllm.enabled (eq (include "kvroute.router.discoveryMode" .) "k8s") -}}true{{- end -}}
+{{- if or (include "kvroute.epp.enabled" .) (and .Values.vllm.enabled (eq (include "kvroute.router.discoveryMode" .) "k8s")) -}}true{{- end -}}
+{{- end -}}
+
+{{/* EPP mode (router.mode=epp): the router is the InferencePool's endpoint picker. */}}
+{{- define "kvroute.epp.enabled" -}}
+{{- if eq .Values.router.mode "epp" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.epp.poolName" -}}
+{{- default (include "kvroute.fullname" .) .Values.epp.inferencePool.name -}}
+{{- end -}}
+
+{{/* The headless Service whose selector is the pool's: its EndpointSlices are the pool's
+     ready pods, which the picker discovers. */}}
+{{- define "kvroute.epp.poolService" -}}{{ include "kvroute.fullname" . }}-pool{{- end -}}
+
+{{/* The pool's pod selector (matchLabels), as YAML: the chart's vLLM pods unless given. */}}
+{{- define "kvroute.epp.selector" -}}
+{{- with .Values.epp.inferencePool.selector -}}
+{{- toYaml . -}}
+{{- else -}}
+{{- if not .Values.vllm.enabled -}}
+{{- fail "router.mode=epp without vllm.enabled needs epp.inferencePool.selector (the model servers' pod labels)" -}}
+{{- end -}}
+{{- include "kvroute.selectorLabels" (dict "root" . "component" "vllm") -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pool's target ports, as a JSON list of numbers (vllm.port unless given). */}}
+{{- define "kvroute.epp.targetPorts" -}}
+{{- $ports := list -}}
+{{- range (.Values.epp.inferencePool.targetPorts | default (list .Values.vllm.port)) -}}
+{{- $ports = append $ports (int .) -}}
+{{- end -}}
+{{- toJson $ports -}}
 {{- end -}}
 
 {{/* The router's config file: keys are `kvroute serve` flag names with underscores. */}}
@@ -182,7 +217,23 @@ app.kubernetes.io/part-of: kvroute
 {{- $cfg := dict "host" "0.0.0.0" "port" (int $r.port) "policy" $r.policy "processes" (int $r.processes) "log_level" $r.logLevel -}}
 {{- $workers := list -}}
 {{- $kvEvents := list -}}
-{{- if .Values.vllm.enabled -}}
+{{- if include "kvroute.epp.enabled" . -}}
+{{- /* The picker's candidates are the pool's endpoints: every ready pod of its selector,
+       at each target port (named IP:PORT, as the gateway names them). */ -}}
+{{- $_ := set $cfg "epp_listen" (printf "0.0.0.0:%d" (int .Values.epp.grpcPort)) -}}
+{{- if eq .Values.epp.tls.mode "selfSigned" -}}
+{{- $_ := set $cfg "epp_self_signed_tls" true -}}
+{{- else if eq .Values.epp.tls.mode "secret" -}}
+{{- $_ := required "epp.tls.mode=secret needs epp.tls.secretName (a kubernetes.io/tls Secret)" .Values.epp.tls.secretName -}}
+{{- $_ := set $cfg "epp_tls_cert_file" "/etc/kvroute/epp-tls/tls.crt" -}}
+{{- $_ := set $cfg "epp_tls_key_file" "/etc/kvroute/epp-tls/tls.key" -}}
+{{- end -}}
+{{- $discover := list -}}
+{{- range (include "kvroute.epp.targetPorts" . | fromJsonArray) -}}
+{{- $discover = append $discover (printf "k8s://%s/%s:%d" $.Release.Namespace (include "kvroute.epp.poolService" $) (int .)) -}}
+{{- end -}}
+{{- $_ := set $cfg "discover" $discover -}}
+{{- else if .Values.vllm.enabled -}}
 {{- $mode := include "kvroute.router.discoveryMode" . -}}
 {{- if eq $mode "dns" -}}
 {{- $_ := set $cfg "discover" (list (printf "dns://%s.%s:%d" (include "kvroute.vllm.headless" .) (include "kvroute.svcDomain" .) (int .Values.vllm.port))) -}}
@@ -197,6 +248,9 @@ app.kubernetes.io/part-of: kvroute
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- if and (include "kvroute.epp.enabled" .) $r.workers -}}
+{{- fail "router.mode=epp: the picker's endpoints are the InferencePool's pods; router.workers would name endpoints the gateway cannot reach" -}}
 {{- end -}}
 {{- $workers = concat $workers $r.workers -}}
 {{- $kvEvents = concat $kvEvents $r.kvEvents -}}
