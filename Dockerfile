@@ -5,7 +5,7 @@
 #   docker run --rm -p 8000:8000 kvroute:0.1.0 --worker w0=http://vllm-0:8000
 #
 # Two stages: the builder turns the source tree into a wheel and installs it (with its
-# dependencies) into a virtualenv; the final stage is python:3.11-slim plus that virtualenv,
+# dependencies and the epp and tracing extras) into a virtualenv; the final stage is python:3.11-slim plus that virtualenv,
 # with no compiler, no pip (nor its cache) and no source tree. PYTHON_IMAGE swaps the base of
 # both stages (scripts/build-image --base local: a Debian base for machines that reach no
 # registry). .ci/image-check.sh builds the image and checks all this from inside it.
@@ -19,11 +19,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 # Dependencies first, read from pyproject.toml: this layer is reused until the dependency
-# list changes, so a code change only rebuilds the small wheel layer below.
+# list changes, so a code change only rebuilds the small wheel layer below. The `epp` and
+# `tracing` extras come with them: the chart runs `kvroute epp` and exports traces from this
+# image. xds-protos ships an old copy of opentelemetry-proto's modules, so the real one is
+# installed last.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; open('/tmp/requirements.txt', 'w').write(chr(10).join(deps) + chr(10))" \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = p['optional-dependencies']; deps = p['dependencies'] + extras['epp'] + extras['tracing']; open('/tmp/requirements.txt', 'w').write(chr(10).join(deps) + chr(10))" \
  && python -m venv /opt/venv \
- && /opt/venv/bin/pip install -r /tmp/requirements.txt
+ && /opt/venv/bin/pip install -r /tmp/requirements.txt \
+ && /opt/venv/bin/pip install --force-reinstall --no-deps opentelemetry-proto
 COPY . .
 # The virtualenv's pip builds the wheel (a bare Debian python has no pip of its own) and is
 # then removed with setuptools: installers are build-time tools (16 + 7 MB of the image).

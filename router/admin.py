@@ -29,9 +29,10 @@ from router.errors import RouterError
 from router.proxy import PROXIED_PATHS
 from router.requests import parse_body, validate
 from router.routing import CandidateScore, WorkerLoad
-from router.workers import Fleet, Worker, WorkerSpec, parse_worker_arg
+from router.workers import ROLES, Fleet, Worker, WorkerSpec, parse_worker_arg
 
 if TYPE_CHECKING:
+    from router.policies.disagg import PdPlan
     from router.services import Services
     from router.tenants.model import Tenant
 
@@ -62,6 +63,7 @@ def register_admin(api: FastAPI, services: Services) -> None:
         return {
             "name": w.name,
             "node": w.node,
+            "role": w.role,
             "healthy": w.healthy,
             "draining": w.draining,
             "serving": w.serving,
@@ -114,9 +116,12 @@ def register_admin(api: FastAPI, services: Services) -> None:
         node = body.get("node")
         if node is not None and (not isinstance(node, str) or not node.isprintable() or len(node) > 128):
             raise _bad("'node' must be a printable string (at most 128 characters).")
+        role = body.get("role")
+        if role is not None and role not in ROLES:
+            raise _bad("'role' must be one of " + ", ".join(ROLES) + ".")
         if services.fleet.get(name) is not None:
             raise RouterError(409, f"A worker named '{name}' already exists.", "worker_exists")
-        added = services.fleet.add(WorkerSpec(spec.name, spec.url, api_key, node))
+        added = services.fleet.add(WorkerSpec(spec.name, spec.url, api_key, node, role))
         await services.fleet.check(added)  # usable at once if it is up, not after the next round
         return _json(201, info(added))
 
@@ -247,6 +252,27 @@ async def explain(
         "excluded": _excluded(services.fleet, {load.name for load in loads}),
         "cost_model": asdict(proxy.cost),
         "cost_learning": proxy.calibrator is not None,
+        **({"disaggregation": _pd(decision.pd, proxy.cost)} if decision.pd is not None else {}),
+    }
+
+
+def _pd(plan: PdPlan, default: CostModel) -> dict[str, Any]:
+    """A disaggregated fleet's choice: split (`pd`) or prefill on D (`pd_local`), and why."""
+    return {
+        "mode": plan.mode,
+        "why": plan.why,
+        "decode_reason": plan.decode_reason,
+        "prefill_worker": plan.prefill_worker,
+        "prefill_ranking": list(plan.prefill_ranking),
+        "predicted_ttft_s": {"pd": plan.pd_ttft_s, "pd_local": plan.local_ttft_s},
+        "predicted_prefill_s": {"prefill_worker": plan.prefill_s, "decode_worker": plan.local_prefill_s},
+        "pull_tokens": plan.pull_tokens,
+        "transfer_s": plan.transfer_s,
+        "running_decodes": plan.running_decodes,
+        # The stall a local prefill adds to each running decode's inter-token gap, against the budget.
+        "local_itl_stall_s": plan.local_prefill_s if plan.running_decodes else 0.0,
+        "itl_budget_s": plan.itl_budget_s,
+        "prefill_candidates": [_priced(score, default) for score in plan.prefill_scores],
     }
 
 

@@ -29,7 +29,7 @@ from router.breaker import CLOSED
 from router.config import RouterConfig
 from router.errors import RouterError, error_body
 from router.load import LoadBoard
-from router.metrics import CallbackGauge
+from router.metrics import OPENMETRICS_CONTENT_TYPE, OPENMETRICS_TYPE, CallbackGauge
 from router.proxy import PROXIED_PATHS, Proxy
 from router.proxy.admission import Admission
 from router.proxy.settings import Api, api_of
@@ -166,8 +166,12 @@ class KvrouteApp:
             return _json(200, {"object": "list", "data": data})
 
         @api.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(request: Request) -> Response:
             self._refresh_gauges()
+            # Exemplars (trace ids on kvroute_ttft_seconds) exist only in OpenMetrics, which
+            # Prometheus asks for in its Accept header; other scrapers get the text format.
+            if OPENMETRICS_TYPE in request.headers.get("accept", ""):
+                return Response(self.metrics.registry.render(openmetrics=True), media_type=OPENMETRICS_CONTENT_TYPE)
             return Response(self.metrics.registry.render(), media_type="text/plain; version=0.0.4")
 
         return api

@@ -19,11 +19,13 @@ from router.breaker import BreakerSettings, OutlierSettings
 from router.cost import CostSettings
 from router.epp.settings import EppSettings
 from router.policies import RoutingSettings
+from router.policies.disagg import DisaggSettings
 from router.precise.settings import PreciseSettings
 from router.proxy.admission import AdmissionSettings
 from router.proxy.settings import ProxySettings
 from router.tenants.loader import TenantSettings
 from router.tenants.salt import IsolationSettings
+from router.tracing import TracingSettings
 from router.workers import HealthSettings, WorkerSpec
 
 
@@ -53,6 +55,9 @@ class RouterConfig:
     """Worker name -> the node it runs on (`--node NODE=W1,W2`), for workers whose spec
     (YAML `workers: [{name, url, node}]`, Kubernetes discovery) names none. A worker on no
     node is on the default one: a fleet given no nodes is one node."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """Worker name -> its role, prefill, decode or both (`--role NAME=ROLE`), for workers
+    whose spec names none. A fleet given no roles is aggregated (every worker `both`)."""
     server: ServerSettings = field(default_factory=ServerSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     index: IndexSettings = field(default_factory=IndexSettings)
@@ -70,4 +75,8 @@ class RouterConfig:
     tenants: TenantSettings = field(default_factory=TenantSettings)
     isolation: IsolationSettings = field(default_factory=IsolationSettings)
     epp: EppSettings = field(default_factory=EppSettings)
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
+    """Prefill/decode disaggregation (router/policies/disagg.py), for fleets with roles."""
     """`kvroute epp`'s own settings (router/epp); `kvroute serve` ignores them."""
+    tracing: TracingSettings = field(default_factory=TracingSettings)
+    """OpenTelemetry traces over OTLP (router/tracing.py); off without an endpoint."""

@@ -29,7 +29,8 @@ import orjson
 from cache_client.kv_events import CpuMedium
 from router.config import RouterConfig
 from router.policies import POLICIES
-from router.workers import WorkerSpec, parse_worker_arg
+from router.policies.disagg import SPLITS
+from router.workers import WorkerSpec, check_role, parse_worker_arg
 
 ENV_PREFIX = "KVROUTE_"
 CHILD_CONFIG_ENV = "KVROUTE__SERVE_CONFIG_JSON"
@@ -51,6 +52,7 @@ FLAT_KEYS: dict[str, Slot] = {
     "workers": (None, "workers"),
     "discover": (None, "discover"),
     "nodes": (None, "nodes"),
+    "roles": (None, "roles"),
     **_same("routing", "policy"),
     **_same("server", "host", "port", "processes", "log_level"),
     "redis": ("redis", "url"),
@@ -91,6 +93,9 @@ FLAT_KEYS: dict[str, Slot] = {
     **_prefixed("isolation", "tenant_", "salt_secret", "salt_secret_file"),
     "epp_listen": ("epp", "listen"),
     **_prefixed("epp", "epp_", "tls_cert_file", "tls_key_file", "self_signed_tls"),
+    **_same("tracing", "otlp_endpoint", "otlp_protocol"),
+    **_prefixed("tracing", "trace_", "sample_ratio", "service_name"),
+    **_prefixed("disagg", "pd_", "itl_budget_ms", "link_gbps", "hold_timeout_s", "split"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
 
@@ -99,7 +104,7 @@ NO_FLAG = frozenset({"tenant_salt_secret"})
 
 LIST_FLAGS = {
     "workers": "--worker", "discover": "--discover", "nodes": "--node", "api_keys": "--api-keys",
-    "kv_events": "--kv-events",
+    "kv_events": "--kv-events", "roles": "--role",
 }  # fmt: skip
 """Repeatable flags, named in the singular where they take one item."""
 
@@ -107,6 +112,13 @@ ALIASES = {"tenants_file": "--tenants"}
 """Settings whose flag (and KVROUTE_* variable) is also known by a shorter name."""
 
 HELP = {
+    "otlp_endpoint": "export OpenTelemetry traces of each request to this OTLP collector: http://HOST:4318 "
+    "(http) or http://HOST:4317 (grpc); off when unset (env OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT too; "
+    "needs kvroute[tracing]; see docs/tracing.md)",
+    "otlp_protocol": "OTLP transport: http (protobuf over HTTP, the default) or grpc (env OTEL_EXPORTER_OTLP_PROTOCOL too)",
+    "trace_sample_ratio": "share of new traces recorded, 0..1 (default 1); a client's traceparent keeps its own "
+    "sampling decision (env OTEL_TRACES_SAMPLER_ARG too)",
+    "trace_service_name": "service.name of the router's spans (default kvroute; env OTEL_SERVICE_NAME too)",
     "workers": "a worker as NAME=URL or URL (repeatable)",
     "discover": "discover workers, e.g. dns://HEADLESS_SERVICE:PORT (repeatable)",
     "policy": "routing policy",
@@ -124,6 +136,15 @@ HELP = {
     "video_tokens": "tokens of one video in a prompt",
     "nodes": "the workers on one node, NODE=W1,W2,... (repeatable; env KVROUTE_NODES ;-separated): each node's "
     "workers share its LMCache pool and disk tier; workers on no node share the default one",
+    "roles": "a worker's role in a prefill/decode-disaggregated fleet, NAME=prefill|decode|both (repeatable; "
+    "env KVROUTE_ROLES comma-separated); workers given none are both, and a fleet of only both is aggregated",
+    "pd_itl_budget_ms": "disaggregated fleets: the longest stall a decode worker's local prefill may add to its "
+    "running streams' inter-token latency; beyond it the prompt goes to a prefill worker (see docs/disaggregation.md)",
+    "pd_link_gbps": "disaggregated fleets: bandwidth of the KV link between prefill and decode workers, Gb/s",
+    "pd_hold_timeout_s": "disaggregated fleets: how long a prefill worker holds unread KV "
+    "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT); older params are not sent to a decode worker",
+    "pd_split": "disaggregated fleets: auto (split a request only where the cost model says it pays) or "
+    "always (every request a prefill worker can take, as vLLM's own proxy does)",
     "pool_capacity_tokens": "each node's workers share an LMCache CPU pool of this many tokens (0: no pool)",
     "disk_capacity_tokens": "each node's LMCache server keeps a disk tier of this many tokens (0: none)",
     "remote_capacity_tokens": "a remote tier every node reads over the network (LMCache's remote backend) "
@@ -183,7 +204,7 @@ HELP = {
     "(or env KVROUTE_TENANT_SALT_SECRET); see docs/tenants.md",
 }
 
-TOP_LEVEL = ("workers", "discover", "nodes")
+TOP_LEVEL = ("workers", "discover", "nodes", "roles")
 SECTIONS: dict[str, type] = {
     f.name: f.default_factory for f in dataclasses.fields(RouterConfig) if f.name not in TOP_LEVEL  # type: ignore[misc]
 }
@@ -231,6 +252,8 @@ def build_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, choices=sorted(POLICIES), help=help_)
         elif name == "cost_learning":
             parser.add_argument(flag, dest=name, choices=("on", "off"), help=help_)
+        elif name == "pd_split":
+            parser.add_argument(flag, dest=name, choices=SPLITS, help=help_)
         else:
             parser.add_argument(flag, dest=name, type=kind, help=help_)
     return parser
@@ -248,6 +271,8 @@ def _coerce(slot: Slot, value: Any, env: Mapping[str, str]) -> Any:
         return [v for v in _items(value, ",") if v]
     if name == "nodes":
         return _nodes(value)
+    if name == "roles":
+        return _roles(value)
     if name == "api_keys":
         items = [value] if isinstance(value, str) else list(value)
         return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
@@ -271,8 +296,11 @@ def _worker(value: Any, env: Mapping[str, str]) -> WorkerSpec:
         api_key = value.get("api_key")
         if value.get("api_key_env"):
             api_key = env.get(value["api_key_env"])
-        node = value.get("node")
-        return dataclasses.replace(spec, api_key=api_key, node=None if node is None else str(node))
+        node, role = value.get("node"), value.get("role")
+        return dataclasses.replace(
+            spec, api_key=api_key, node=None if node is None else str(node),
+            role=None if role is None else check_role(str(role)),
+        )
     return parse_worker_arg(str(value))
 
 
@@ -297,6 +325,22 @@ def _nodes(value: Any) -> dict[str, str]:
                 raise ValueError(f"worker {name!r} is on two nodes: {out[name]!r} and {node!r}")
             out[name] = node
     return out
+
+
+def _roles(value: Any) -> dict[str, str]:
+    """Worker -> role from `NAME=ROLE` items (flags; the variable ,- or ;-separated) or a
+    YAML mapping `{NAME: ROLE}`."""
+    if isinstance(value, dict):
+        pairs = [(str(name), str(role)) for name, role in value.items()]
+    else:
+        items = [value] if isinstance(value, str) else list(value)
+        pairs = []
+        for item in (p for raw in items for p in str(raw).replace(";", ",").split(",") if p.strip()):
+            name, sep, role = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"expected NAME=prefill|decode|both: {item!r}")
+            pairs.append((name.strip(), role.strip()))
+    return {name: check_role(role) for name, role in pairs}
 
 
 def _from_yaml(path: str) -> dict[Slot, Any]:
@@ -334,6 +378,34 @@ def _from_env(env: Mapping[str, str]) -> dict[Slot, Any]:
         for env_name in (ENV_PREFIX + name.upper(), ENV_PREFIX + alias):
             if env_name != ENV_PREFIX and env_name in env:
                 values[slot] = env[env_name]
+    return values
+
+
+_SAMPLER_RATIOS = {"always_on": 1.0, "always_off": 0.0, "parentbased_always_on": 1.0, "parentbased_always_off": 0.0}
+
+
+def _from_otel(env: Mapping[str, str]) -> dict[Slot, Any]:
+    """The standard OpenTelemetry variables the `tracing` section reads (below the
+    KVROUTE_* ones): the traces endpoint (or the base endpoint, plus `/v1/traces` over
+    http), the protocol, the sampler's ratio and the service name."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or env.get("OTEL_TRACES_EXPORTER") == "none":
+        return {("tracing", "otlp_endpoint"): None}
+    values: dict[Slot, Any] = {}
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol:
+        values[("tracing", "otlp_protocol")] = protocol
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        values[("tracing", "otlp_endpoint")] = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    elif base:
+        values[("tracing", "otlp_endpoint")] = base if protocol == "grpc" else base.rstrip("/") + "/v1/traces"
+    sampler = env.get("OTEL_TRACES_SAMPLER", "")
+    if sampler in _SAMPLER_RATIOS:
+        values[("tracing", "sample_ratio")] = _SAMPLER_RATIOS[sampler]
+    elif env.get("OTEL_TRACES_SAMPLER_ARG"):
+        values[("tracing", "sample_ratio")] = env["OTEL_TRACES_SAMPLER_ARG"]
+    if env.get("OTEL_SERVICE_NAME"):
+        values[("tracing", "service_name")] = env["OTEL_SERVICE_NAME"]
     return values
 
 
@@ -375,6 +447,7 @@ def load_config(argv: list[str], environ: Mapping[str, str] | None = None, prog:
     config_path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
     if config_path:
         values.update(_from_yaml(config_path))
+    values.update(_from_otel(env))
     values.update(_from_env(env))
     values.update({FLAT_KEYS[name]: value for name, value in args.items()})
     return _assemble(values, env)
@@ -406,6 +479,7 @@ def config_from_json(raw: str) -> RouterConfig:
         workers=[WorkerSpec(**w) for w in data.pop("workers")],
         discover=list(data.pop("discover")),
         nodes=dict(data.pop("nodes")),
+        roles=dict(data.pop("roles")),
         **{name: SECTIONS[name](**fields) for name, fields in data.items()},
     )
 

@@ -10,7 +10,10 @@ Two sources, both polled:
   the price of RBAC (`list` on `endpointslices` in NAMESPACE). It also sees where each pod
   runs: an endpoint's `nodeName` becomes its worker's node (`WorkerSpec.node`), the LMCache
   server whose pool and disk tier that worker loads from (cache_client/tiers.py). DNS
-  cannot tell, so its workers are placed by `--node`, else on the default node.
+  cannot tell, so its workers are placed by `--node`, else on the default node. A pod's
+  label `kvroute.io/role` (or llm-d's `llm-d.ai/role`: `prefill`, `decode`, `both`) becomes
+  its worker's role in a disaggregated fleet (`WorkerSpec.role`), read once per pod from
+  the endpoint's `targetRef` (RBAC: `get` on `pods`; without it, roles come from `--role`).
 
 Membership diffs are applied with `Fleet.add` and `Fleet.remove`; `remove` runs the fleet's
 `on_down` callback, which drops the leaving worker's index entries. Workers are named after
@@ -40,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from router.aio import cancel_and_wait
-from router.workers import Fleet, WorkerSpec
+from router.workers import ROLES, Fleet, WorkerSpec
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -105,11 +108,37 @@ def _hostport(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-def spec_for(ip: str, port: int, scheme: str = "http", node: str | None = None) -> WorkerSpec:
+def spec_for(ip: str, port: int, scheme: str = "http", node: str | None = None, role: str | None = None) -> WorkerSpec:
     """The worker a discovered address stands for: named `IP:PORT`, at `http://IP:PORT`, on
-    `node` (None: wherever the fleet's `--node` map puts it)."""
+    `node` (None: wherever the fleet's `--node` map puts it), with `role` (None: as `--role`
+    gives it)."""
     hostport = _hostport(ip, port)
-    return WorkerSpec(name=hostport, url=f"{scheme}://{hostport}", node=node)
+    return WorkerSpec(name=hostport, url=f"{scheme}://{hostport}", node=node, role=role)
+
+
+ROLE_LABELS = ("kvroute.io/role", "llm-d.ai/role")
+"""Pod labels naming a worker's role, first found wins (llm-d's values are the same words)."""
+
+
+def role_of(labels: Mapping[str, Any] | None) -> str | None:
+    """A pod's role from its labels; None when none names one of `ROLES`."""
+    for label in ROLE_LABELS:
+        value = (labels or {}).get(label)
+        if value in ROLES:
+            return str(value)
+    return None
+
+
+def endpoint_pods(slices: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """Address -> the name of the pod behind it (the endpoint's `targetRef` of kind Pod)."""
+    pods: dict[str, str] = {}
+    for item in slices:
+        for endpoint in item.get("endpoints") or []:
+            ref = endpoint.get("targetRef") or {}
+            if ref.get("kind") == "Pod" and ref.get("name"):
+                for address in endpoint.get("addresses") or []:
+                    pods[str(address)] = str(ref["name"])
+    return pods
 
 
 def kv_events_endpoint(spec: WorkerSpec, port: int = 5557) -> str:
@@ -156,6 +185,8 @@ class _MembershipSync:
         self._owned: dict[str, str | None] = {}
         """Name of each worker this sync added -> the node its spec was given."""
         self._clashes: set[str] = set()
+        self.roles: Mapping[str, str | None] = {}
+        """Address -> role, from the source's pod labels (none: as `--role` gives them)."""
 
     @property
     def members(self) -> list[str]:
@@ -167,7 +198,7 @@ class _MembershipSync:
         wanted = {
             spec.name: spec
             for spec in (
-                spec_for(ip, self.port, self.scheme, node) for ip, node in endpoints.items()
+                spec_for(ip, self.port, self.scheme, node, self.roles.get(ip)) for ip, node in endpoints.items()
             )
         }
         # A moved worker leaves before it joins again under the same name; the others join
@@ -394,14 +425,37 @@ class _EndpointSliceSource:
     ) -> None:
         self._client = client
         self.path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+        self.pods_path = f"/api/v1/namespaces/{namespace}/pods/"
         self.params = {"labelSelector": f"kubernetes.io/service-name={service}"}
         self.port = port
         self.resolved_port: int | None = port if isinstance(port, int) else None
+        self.roles: dict[str, str | None] = {}
+        """Address -> its pod's role label (None: no role label, or the pod unreadable)."""
+        self._pod_roles: dict[str, str | None] = {}
+        self._pods_unreadable = False
+
+    async def _roles(self, pods: Mapping[str, str]) -> dict[str, str | None]:
+        """Each address's pod's role, each pod read once (a role is set when a pod starts)."""
+        known = {name: self._pod_roles[name] for name in set(pods.values()) if name in self._pod_roles}
+        for name in sorted(set(pods.values()) - known.keys()):
+            try:
+                r = await self._client.get(self.pods_path + name)
+                r.raise_for_status()
+                known[name] = role_of(((r.json() or {}).get("metadata") or {}).get("labels"))
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                if not self._pods_unreadable:
+                    log.warning("cannot read pod labels for roles (%s); roles come from --role", type(exc).__name__)
+                    self._pods_unreadable = True
+                continue  # read again next time: RBAC may be granted meanwhile
+        self._pod_roles = known
+        return {address: known.get(name) for address, name in pods.items()}
 
     async def endpoints(self) -> Endpoints:
         r = await self._client.get(self.path, params=self.params)
         r.raise_for_status()
-        endpoints, number = endpoint_slice_endpoints(r.json().get("items") or [], self.port)
+        items = r.json().get("items") or []
+        endpoints, number = endpoint_slice_endpoints(items, self.port)
+        self.roles = await self._roles({a: p for a, p in endpoint_pods(items).items() if a in endpoints})
         if number is not None:
             self.resolved_port = number
         if endpoints and self.resolved_port is None:
@@ -506,6 +560,7 @@ class _SlicePortSync(_MembershipSync):
     async def apply(self, endpoints: Mapping[str, str | None]) -> tuple[list[str], list[str]]:
         if self._source.resolved_port is not None:
             self.port = self._source.resolved_port
+        self.roles = self._source.roles
         return await super().apply(endpoints)
 
 

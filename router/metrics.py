@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,8 @@ class Histogram(_Metric):
         self.buckets = tuple(sorted(buckets))
         # per label set: [count per bucket (non-cumulative, +Inf last), sum]
         self.series: dict[LabelValues, tuple[list[int], list[float]]] = {}
+        self.exemplars: dict[LabelValues, dict[int, str]] | None = None
+        """Per label set, bucket index -> its exemplar's suffix (None: none recorded)."""
 
     def observe(self, value: float, *labels: str) -> None:
         s = self.series.get(labels)
@@ -124,14 +127,23 @@ class Histogram(_Metric):
         s = self.series.get(labels)
         return sum(s[0]) if s else 0
 
-    def render(self) -> list[str]:
+    def exemplar(self, value: float, trace_id: str, *labels: str) -> None:
+        """The latest traced observation of `value`'s bucket (an observation counted by
+        `observe`): its trace id, shown in the OpenMetrics exposition."""
+        if self.exemplars is None:
+            self.exemplars = {}
+        bucket = bisect.bisect_left(self.buckets, value)
+        self.exemplars.setdefault(labels, {})[bucket] = f' # {{trace_id="{trace_id}"}} {_num(value)} {time.time():.3f}'
+
+    def render(self, openmetrics: bool = False) -> list[str]:
         lines = self.header()
         for key, (counts, total) in self.series.items():
             cum = 0
-            for bound, c in zip((*self.buckets, float("inf")), counts, strict=True):
+            marks = self.exemplars.get(key, {}) if openmetrics and self.exemplars else {}
+            for i, (bound, c) in enumerate(zip((*self.buckets, float("inf")), counts, strict=True)):
                 cum += c
                 le = 'le="+Inf"' if bound == float("inf") else f'le="{_num(bound)}"'
-                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {cum}")
+                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {cum}{marks.get(i, '')}")
             lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_num(total[0])}")
             lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {cum}")
         return lines
@@ -168,11 +180,32 @@ class Registry:
     ) -> CallbackCounter:
         return self.register(CallbackCounter(name, help_, labels, read))
 
-    def render(self) -> str:
+    def render(self, openmetrics: bool = False) -> str:
+        """The text format 0.0.4; `openmetrics`: OpenMetrics 1.0 (with exemplars), for a
+        scraper that asks for it (`OPENMETRICS_TYPE` in its Accept header)."""
         lines: list[str] = []
+        if openmetrics:
+            for metric in self._metrics.values():
+                lines += _openmetrics(metric)
+            return "\n".join(lines) + "\n# EOF\n"
         for metric in self._metrics.values():
             lines += metric.render()  # type: ignore[attr-defined]
         return "\n".join(lines) + "\n"
+
+
+OPENMETRICS_TYPE = "application/openmetrics-text"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def _openmetrics(metric: _Metric) -> list[str]:
+    """One family in OpenMetrics: a counter's family is named without `_total`, its samples
+    with it; histograms carry their exemplars."""
+    lines = metric.render(openmetrics=True) if isinstance(metric, Histogram) else metric.render()  # type: ignore[attr-defined]
+    family = metric.name.removesuffix("_total") if metric.kind == "counter" else metric.name
+    out = [f"# HELP {family} {_escape(metric.help)}", f"# TYPE {family} {metric.kind}"]
+    if metric.kind == "counter" and not metric.name.endswith("_total"):
+        return out + [metric.name + "_total" + line[len(metric.name):] for line in lines[2:]]
+    return out + lines[2:]
 
 
 class RouterMetrics:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from cache_client.base import IndexView
 from cache_client.tiers import DEFAULT_NODE
 from normalizer.prefix import PrefixChain
 from router.cost import NO_REUSE, CostModel, Reuse
+
+if TYPE_CHECKING:
+    from router.policies.disagg import PdPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,9 @@ class RouteDecision:
     """Every candidate as the policy priced it, in its order of preference (the chosen one
     is the first within the bound, unless a faster worker answers it much sooner:
     `cache_aware.own_time_guarded`); empty for policies that do not price candidates."""
+    pd: PdPlan | None = None
+    """In a disaggregated fleet: the prefill worker and whether to split (`worker` is the
+    decode worker; router/policies/disagg.py). None: an aggregated fleet."""
 
 
 class Routed(NamedTuple):

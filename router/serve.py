@@ -122,6 +122,10 @@ def cli(argv: list[str]) -> int:
     check_secrets(config)
     if config.precise.tokenizer:
         require_precise_extra()  # a clear exit now, not a traceback in every router process
+    if config.tracing.enabled:
+        from router.tracing import require_tracing_extra
+
+        require_tracing_extra()
     server = config.server
     configure_logging(server.log_level)
     if not config.workers and not config.discover:

@@ -39,11 +39,13 @@ from router.policies import Policy, make_policy
 from router.precise import PreciseMode, build_precise
 from router.proxy import Proxy
 from router.proxy.admission import Admission
+from router.proxy.disagg import PdFlow
 from router.proxy.stateful import ResponsesAffinity
 from router.proxy.upstream import UpstreamClient
 from router.tenants.enforce import TenantLimiter
 from router.tenants.loader import TenantRegistry
 from router.tenants.salt import CacheSalter
+from router.tracing import build_tracer
 from router.workers import Fleet, Worker
 
 log = logging.getLogger("kvroute")
@@ -265,7 +267,7 @@ def build_services(
 
     fleet = config.health.fleet(
         config.workers, client, on_down=index.drop_location, on_removed=forget, on_added=place,
-        breaker=config.breaker, nodes=config.nodes,
+        breaker=config.breaker, nodes=config.nodes, roles=config.roles,
     )
     # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
     # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
@@ -287,6 +289,10 @@ def build_services(
         limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
         prefill_queue=config.overload.prefill_queue(cost),
     )
+    # Prefill/decode splits, for fleets whose workers have roles (inert while none has).
+    proxy.pd = PdFlow(proxy, config.disagg, config.disagg.pricing(config.cost.kv_bytes_per_token))
+    # Spans of each request, exported over OTLP (router/tracing.py); None: tracing off.
+    proxy.tracer = build_tracer(config.tracing, metrics.ttft)
     env: Mapping[str, str] = environ if environ is not None else {}
     services = Services(
         config=config,
@@ -360,6 +366,9 @@ def _lifecycle(s: Services) -> list[Lifecycle]:
         stages.append(Stage("precise", ingest, mode.stop))
     if s.tenants.path is not None:
         stages.append(TenantReloadOnHangup(s.tenants))
+    tracer = s.proxy.tracer
+    if tracer is not None:  # stopped last: the spans of requests drained at shutdown go out
+        stages.insert(0, Stage("tracing", None, lambda: asyncio.to_thread(tracer.shutdown)))
     return [*stages, s.outliers, s.loop_lag, s.discoveries]
 
 

@@ -22,6 +22,18 @@ from router.breaker import BreakerSettings, CircuitBreaker
 
 log = logging.getLogger("kvroute.workers")
 
+BOTH, PREFILL, DECODE = "both", "prefill", "decode"
+ROLES = (BOTH, PREFILL, DECODE)
+"""A worker's part in a prefill/decode-disaggregated fleet: `both` serves whole requests
+(and either side), `prefill` computes prompts for decode workers, `decode` generates."""
+
+
+def check_role(role: str) -> str:
+    """`role` if it is one of `ROLES` (llm-d's label values are the same words)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+    return role
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
@@ -32,6 +44,9 @@ class WorkerSpec:
     node: str | None = None
     """The node it runs on (its LMCache server's); None: as `--node` places it, else the
     default node."""
+    role: str | None = None
+    """Its part in a prefill/decode-disaggregated fleet (`ROLES`); None: as `--role` gives
+    it, else `both`."""
 
 
 @dataclass(slots=True)
@@ -41,6 +56,9 @@ class Worker:
     api_key: str | None = None
     node: str = DEFAULT_NODE
     """The node it runs on: the pool and disk tier it can load from (cache_client/tiers.py)."""
+    role: str = BOTH
+    """prefill, decode or both (router/policies/disagg.py): a fleet whose workers are all
+    `both` is aggregated."""
     healthy: bool = False
     draining: bool = False
     models: frozenset[str] = frozenset()
@@ -106,11 +124,12 @@ class HealthSettings:
         on_added: Callable[[Worker], None] | None = None,
         breaker: BreakerSettings | None = None,
         nodes: Mapping[str, str] | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> Fleet:
         return Fleet(
             specs, client, health_interval_s=self.interval_s, unhealthy_after=self.unhealthy_after,
             scrape_metrics=self.scrape_metrics, on_down=on_down, on_removed=on_removed, on_added=on_added,
-            breaker=breaker, nodes=nodes,
+            breaker=breaker, nodes=nodes, roles=roles,
         )
 
 
@@ -129,12 +148,14 @@ class Fleet:
         on_added: Callable[[Worker], None] | None = None,
         breaker: BreakerSettings | None = None,
         nodes: Mapping[str, str] | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
         """`on_down(name)`: a worker went down or was removed (its index entries go).
         `on_removed(name)`: it was removed for good (what the router learnt of it goes too:
         its load counts and learned costs, which a worker only down keeps). `on_added(worker)`:
         it joined (static, discovered or added by an operator). `nodes`: worker name -> node,
-        for workers whose spec names none (`--node`)."""
+        for workers whose spec names none (`--node`); `roles`: worker name -> role, likewise
+        (`--role`)."""
         self._client = client
         self.breaker_settings = breaker or BreakerSettings()
         self._workers: dict[str, Worker] = {}
@@ -146,6 +167,7 @@ class Fleet:
         self._on_removed = on_removed
         self._on_added = on_added
         self._nodes: Mapping[str, str] = nodes or {}
+        self._roles: Mapping[str, str] = roles or {}
         self._task: asyncio.Task | None = None
         self._checking: dict[str, asyncio.Task] = {}
         """Health checks in flight, by worker: at most one each."""
@@ -157,7 +179,8 @@ class Fleet:
         if spec.name in self._workers:
             raise ValueError(f"worker {spec.name!r} already exists")
         node = spec.node if spec.node is not None else self._nodes.get(spec.name, DEFAULT_NODE)
-        worker = Worker(spec.name, spec.url, spec.api_key, node)
+        role = check_role(spec.role if spec.role is not None else self._roles.get(spec.name, BOTH))
+        worker = Worker(spec.name, spec.url, spec.api_key, node, role)
         worker.breaker = CircuitBreaker(self.breaker_settings, spec.name)
         self._workers[spec.name] = worker
         if self._on_added is not None:
@@ -209,6 +232,10 @@ class Fleet:
                 for m in sorted(w.models):
                     seen.setdefault(m, None)
         return list(seen)
+
+    def disaggregated(self) -> bool:
+        """Some worker has a prefill or decode role: requests may be split between two."""
+        return any(w.role != BOTH for w in self._workers.values())
 
     def any_serving(self) -> bool:
         return any(w.serving for w in self._workers.values())

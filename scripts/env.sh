@@ -13,6 +13,9 @@ stamp="$VENV/.kvroute-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q -e "$ROOT[test,bench,precise]"
+  # xds-protos (Envoy's stubs) ships an old copy of opentelemetry-proto's modules; the
+  # OTLP exporters need the real one, so it is installed last.
+  python -m pip install -q --force-reinstall --no-deps opentelemetry-proto
   touch "$stamp"
 fi
 cd "$ROOT"

@@ -14,7 +14,10 @@
 # serving a tiny Qwen2-VL, the router in estimate mode with --image-rule qwen2_vl: over
 # multi-turn image conversations, predicted prompt tokens within 10% of the engine's per
 # request and predicted cached tokens within 10% of its cached tokens in all; 40-65 s, all
-# but a few seconds of it the VLM worker's start). The TTFT
+# but a few seconds of it the VLM worker's start), tracing (the workers run with
+# --otlp-traces-endpoint at the harness's OTLP receiver; a request with a client traceparent
+# through kvroute, and one retried after a failing worker: vLLM's llm_request span is a child
+# of kvroute's attempt span under the client's trace id; ~4 s). The TTFT
 # comparison with random is a benchmark, not a check:
 #   python -m loadtests.vllm_e2e.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
 # The tiny model runs in bfloat16 on CPUs with AVX-512 BF16 or AMX, in float32 elsewhere
@@ -49,7 +52,7 @@ echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
 "$PY" - "$REPORT" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-names = ("exactness", "agent", "reuse", "a", "c", "nodes", "vlm")
+names = ("exactness", "agent", "tracing", "reuse", "a", "c", "nodes", "vlm")
 passed = sum(1 for k in names if isinstance(r.get(k), dict) and r[k].get("ok"))
 print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s, "
       f"dtype {r.get('dtype')}")

@@ -280,6 +280,10 @@ class Stack:
     router_port: int = 0
     worker_args: list[str] = field(default_factory=list)
     """More vLLM flags for every worker (loadtests/tenants_e2e.py: usage's cached tokens)."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """More environment for every worker (phase `tracing`: its OpenTelemetry exporter's)."""
+    trace_receiver: Any = None
+    """The OTLP receiver the workers export their spans to (phase `tracing`; None: no tracing)."""
     dtype: str = field(default_factory=native_dtype)
 
     def env(self) -> dict[str, str]:
@@ -328,7 +332,8 @@ class Stack:
             *AGENT_API_FLAGS, *EAGER_FLAGS, *self.worker_args,
             "--host", "127.0.0.1", "--port", str(w.port),
         ]
-        env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
+               **self.worker_env}
         log = name if pool is self.pools[0] else f"{name}@{pool.name}"
         w.proc = start(log, cmd, self.logdir, env)
         self.workers.append(w)
@@ -1233,7 +1238,7 @@ def phase_vlm(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": str(args.vlm_model), "startup_s": startup_s, "requests_s": requests_s, **vlm_verdict(rows)}
 
 
-CHECKS = ("exactness", "agent", "reuse", "a", "c", "nodes", "vlm")
+CHECKS = ("exactness", "agent", "tracing", "reuse", "a", "c", "nodes", "vlm")
 """The report's pass/fail sections; `b` (--ttft-benchmark) is a measurement, not one of them."""
 
 
@@ -1263,6 +1268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-nodes", action="store_true", help="leave out phase `nodes` (two LMCache servers)")
     ap.add_argument("--only-nodes", action="store_true",
                     help="only phase `nodes`, the fleet started in its topology (w2 on its own LMCache server)")
+    ap.add_argument("--skip-tracing", action="store_true",
+                    help="leave out phase `tracing` (the workers then run without --otlp-traces-endpoint)")
     ap.add_argument("--skip-vlm", action="store_true", help="leave out phase `vlm` (images on the tiny Qwen2-VL)")
     ap.add_argument("--only-vlm", action="store_true",
                     help="only phase `vlm`: no text fleet, no LMCache server")
@@ -1302,6 +1309,10 @@ def run_phases(stack: Stack, args: argparse.Namespace, report: dict[str, Any]) -
     phases: list[tuple[str, Any]] = [
         ("exactness", lambda: phase_exactness(stack, "")), ("agent", lambda: phase_agent(stack)),
     ]
+    if stack.trace_receiver is not None:
+        from loadtests.vllm_e2e.tracing_phase import phase_tracing
+
+        phases.append(("tracing", lambda: phase_tracing(stack, stack.trace_receiver, MODEL_NAME)))
     if args.only_nodes:
         phases = []
     if args.capture_tokenize and not args.only_nodes:
@@ -1348,8 +1359,15 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     # SIGTERM / SIGINT: the vLLM workers, the LMCache server and the router are stopped,
     # the report is written, and the exit status is 128 + the signal.
-    with stop_children_on_signals():
+    with stop_children_on_signals(), contextlib.ExitStack() as exits:
         try:
+            if not (args.skip_tracing or args.only_vlm or args.only_nodes):
+                # Before the fleet: the workers start exporting their spans to it.
+                from loadtests.otlp import OtlpReceiver
+                from loadtests.vllm_e2e.tracing_phase import worker_tracing
+
+                stack.trace_receiver = exits.enter_context(OtlpReceiver("grpc"))
+                worker_tracing(stack, stack.trace_receiver)
             if not args.only_vlm:  # phase `vlm` starts its own worker
                 start_fleet(stack, two_nodes=args.only_nodes and not args.skip_nodes)
                 report["startup_s"] = round(time.monotonic() - t_start, 1)

@@ -135,11 +135,13 @@ class GatewayExchange(Exchange):
             if message.request_body.end_of_stream:
                 return b"".join(chunks)
 
-    async def route(self, endpoints: list[str], worker: Worker) -> None:
+    async def route(self, endpoints: list[str], worker: Worker, trace: m.Headers = ()) -> None:
         """Answer the request's headers and body: to `endpoints` (in order), the canonical
-        body in place of the client's, the client's credentials swapped for the worker's."""
+        body in place of the client's, the client's credentials swapped for the worker's
+        (`trace`: the attempt span's `traceparent`, for the worker's own spans)."""
         payload = self.payload
-        mutation = m.route_headers(endpoints, len(payload), *self.picker.forward_edits(self.scope["headers"], worker))
+        set_headers, remove = self.picker.forward_edits(self.scope["headers"], worker)
+        mutation = m.route_headers(endpoints, len(payload), [*set_headers, *trace], remove)
         metadata = m.destination_metadata(endpoints)
         gateway = self.gateway
         if self.request_mode == m.BODY_BUFFERED:
@@ -206,7 +208,7 @@ class GatewayAttempt(Attempt):
         loop = asyncio.get_running_loop()
         self.sent_at = loop.time()
         self.endpoints = picker.endpoint_list(self.worker, ex)
-        await ex.route(self.endpoints, self.worker)
+        await ex.route(self.endpoints, self.worker, self.trace.propagation() if self.trace is not None else ())
         ex.started = True  # the gateway has the request: it answers the client from here
         message = await ex.response_message()
         if message is None or m.request_kind(message) != "response_headers":
@@ -224,6 +226,8 @@ class GatewayAttempt(Attempt):
         # The gateway waits for this answer: it goes first, what the picker learns after.
         name, reason = (served.name, "retry") if moved and served is not None else (self.worker.name, self.reason)
         await ex.gateway.send(m.response_headers_response(_annotations(name, reason)))
+        if self.trace is not None:
+            self.trace.first_byte(ex, status, None, ex.stream and status == 200, exemplar=False)
         if moved and served is not None:
             await self._moved(ex, served)
         worker = self.worker.name
@@ -411,6 +415,7 @@ class Picker:
     def __init__(self, proxy: Proxy, api_keys: KeyCheck | None = None, tenants: TenantRegistry | None = None) -> None:
         self.proxy = proxy
         proxy.attempt_type = GatewayAttempt
+        proxy.pd = None  # a gateway sends each request to one endpoint: no prefill/decode split
         self.api_keys = api_keys
         self.tenants = tenants
         self._endpoints: dict[tuple[str, str], str] = {}

@@ -28,6 +28,7 @@ from router.workers import Worker
 
 if TYPE_CHECKING:
     from router.proxy.handler import Proxy
+    from router.tracing import AttemptTrace
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
@@ -45,7 +46,7 @@ class AttemptFailed(Exception):
 class Attempt:
     __slots__ = (
         "chunks", "expected_s", "first_byte_s", "marked", "prefill_over", "probing", "proxy", "reason", "sent_at", "ticket",
-        "upstream", "worker",
+        "trace", "upstream", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -76,6 +77,8 @@ class Attempt:
         for the admission's fair share until its first token (`Admission.mark`)."""
         self.prefill_over: asyncio.TimerHandle | None = None
         """A whole answer's mark ends when its prefill is expected to (`mark`)."""
+        self.trace: AttemptTrace | None = None
+        """Its spans, when the request is traced (router/tracing.py)."""
 
     def mark(self, flow: Flow, *, light: bool, stream: bool) -> None:
         """The request's prefill is in flight for the admission until its first token. A
@@ -129,6 +132,8 @@ class Attempt:
         proxy = self.proxy
         self.worker.breaker.failure(why)
         proxy.metrics.requests.inc(self.worker.name, self.reason, "error")
+        if self.trace is not None:
+            self.trace.failed(why)
         if passive_down:
             await proxy.fleet.mark_failed(self.worker.name)
 
@@ -204,6 +209,8 @@ class Attempt:
                 proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)
                 if tenants is not None:
                     tenants.first_byte(ex.tenant, time.perf_counter() - ex.arrived)
+            if self.trace is not None:
+                self.trace.first_byte(ex, status, self.first_byte_s, relay)
             headers = response_headers(upstream.headers, self.worker.name, self.reason)
             proxy.metrics.requests.inc(self.worker.name, self.reason, str(status))
             if tenants is not None:
@@ -218,6 +225,8 @@ class Attempt:
                 if ex.recorded:  # the client's next turn may come at once, through another replica
                     await proxy.index.written()
                 ex.finished = True
+                if self.trace is not None:
+                    self.trace.relayed("complete", None, first)
                 await send_whole(ex.send, status, headers, first)
                 return
             await relay_stream(ex, self, headers, first, chunks, flight, learner)
@@ -229,6 +238,7 @@ class Attempt:
     def _headers(self, ex: Exchange) -> Headers:
         """The request's headers for this worker: with its own credential, if it has one."""
         api_key = self.worker.api_key
+        headers = ex.headers if self.trace is None else self.trace.headers(ex.headers)
         if api_key and not self.proxy.settings.forward_client_auth:
-            return [*ex.headers, (b"authorization", b"Bearer " + api_key.encode())]
-        return ex.headers
+            return [*headers, (b"authorization", b"Bearer " + api_key.encode())]
+        return headers

@@ -24,6 +24,7 @@ from router.requests import parse_body, validate
 
 if TYPE_CHECKING:
     from normalizer.canonical import NormalizeOptions
+    from router.proxy.disagg import PdState
     from router.routing import Routed
     from router.tenants.enforce import Grant
     from router.tenants.model import Tenant
@@ -48,7 +49,8 @@ class Disconnected(Exception):
 class Exchange:
     __slots__ = (
         "arrived", "attempts", "body", "choice", "disconnected", "endpoint", "finished", "generated", "grant",
-        "headers", "kind", "last_error", "model", "payload", "prefill_turn", "queue_deadline", "recorded", "scope", "send", "session_key",
+        "headers", "kind", "last_error", "model", "payload", "pd", "prefill_turn", "queue_deadline", "recorded", "scope", "send",
+        "session_key",
         "started", "stream", "tenant", "tried", "turn", "within",
     )  # fmt: skip
 
@@ -90,6 +92,8 @@ class Exchange:
         """The tenant limits' hold on this request, given back whichever way it ends."""
         self.generated = 0
         """Generated tokens the answer's usage reported (with tenants: charged to the tenant)."""
+        self.pd: PdState | None = None
+        """In a disaggregated fleet: its split across decode attempts (router/proxy/disagg.py)."""
         self.within: frozenset[str] | None = None
         """The workers it may go to, when a gateway narrows them (the endpoint picker's
         subset hint, router/epp); None: every candidate."""

@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from cache_client.base import EMPTY_VIEW, PrefixIndex, key_tokens_of
+from cache_client.base import EMPTY_VIEW, IndexView, PrefixIndex, key_tokens_of
 from cache_client.redact import exc_summary
 from cache_client.response_owners import MemoryResponseOwners
 from cache_client.served_ends import ServedEnds
@@ -41,6 +41,7 @@ from router.errors import RouterError
 from router.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.policies.base import Policy
+from router.policies.disagg import choose_pd
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.proxy.admission import Admission, NoAdmission
 from router.proxy.attempt import Attempt, AttemptFailed
@@ -55,12 +56,15 @@ from router.proxy.upstream import Headers, UpstreamClient, UpstreamResponse, mak
 from router.routing import Routed, RouteDecision, RouteRequest
 from router.tenants.enforce import OverLimit
 from router.tenants.limits import REASONS
+from router.tracing import lookup_outcome
 from router.workers import Fleet, Worker
 
 if TYPE_CHECKING:
+    from router.proxy.disagg import PdFlow
     from router.tenants.enforce import TenantLimiter
     from router.tenants.model import Tenant
     from router.tenants.salt import CacheSalter
+    from router.tracing import Tracer
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -108,6 +112,9 @@ class Proxy:
     attempt_type: type[Attempt] = Attempt
     """What one try on one worker is: `Attempt` forwards it; the endpoint picker's
     (router/epp) answers its gateway with the worker and observes the gateway's answer."""
+    pd: PdFlow | None = None
+    """Splits requests between prefill and decode workers in a fleet with roles
+    (router/proxy/disagg.py); None: every request goes whole to one worker."""
 
     def __init__(
         self,
@@ -168,6 +175,8 @@ class Proxy:
         self.ends = ends if ends is not None else (ServedEnds() if policy.uses_index else None)
         """Where the prompts sent to workers ended: which worker a request without a reply
         continues (`RouteRequest.continues`). None when the policy reads no index."""
+        self.tracer: Tracer | None = None
+        """OpenTelemetry spans of each request (router/tracing.py); None: tracing off."""
 
     # -- ASGI entry ---------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -223,6 +232,8 @@ class Proxy:
     def end(self, ex: Exchange) -> None:
         """Every end path (answer, error, disconnect, cancel): give back the tenant's hold
         and charge the generated tokens to its limits and its fair share."""
+        if ex.pd is not None and self.pd is not None:
+            self.pd.finish(ex)  # a prefill hold no decode worker was sent is freed now
         if ex.tenant is None:
             return
         if ex.grant is not None and self.limiter is not None:
@@ -274,19 +285,14 @@ class Proxy:
             if within is not None and routed.decision.worker not in within:
                 raise owner_unavailable(prev)
             return routed
+        tracer = self.tracer
+        started = time.perf_counter() if tracer is not None else 0.0
         candidates = self._candidates(model, within)
         if kind is None:
-            chain, view, continues = _EMPTY_CHAIN, EMPTY_VIEW, None
+            chain, view, continues, lookup = _EMPTY_CHAIN, EMPTY_VIEW, None, None
         else:
             chain = chain if chain is not None else self.chains.build(body, kind)
-            view, continues = EMPTY_VIEW, None
-            if self.policy.uses_index:
-                t0 = time.perf_counter()
-                view = await self.index.lookup(chain.keys)
-                self.metrics.index_lookup_seconds.observe(time.perf_counter() - t0)
-                if self.ends is not None and not chain.reply_depth:
-                    # Read only: a dry run (/debug/route) must not change later decisions.
-                    continues = self.ends.lookup(chain, view)
+            view, continues, lookup = await self._lookup(chain) if self.policy.uses_index else (EMPTY_VIEW, None, None)
         # Loads are read after the lookup: requests arriving while it awaits (a Redis round
         # trip) must see each other's tickets, or a burst all lands on one worker.
         loads = self.loads.snapshot([w.name for w in candidates])
@@ -300,9 +306,31 @@ class Proxy:
             loads = [replace(load, node=w.node) for load, w in zip(loads, candidates, strict=True)]
         if kind is None:
             decision = _EMBEDDINGS_POLICY.choose(RouteRequest(chain), view, loads, self.cost)
+        elif self.pd is not None and (roles := self.pd.roles(candidates)):
+            request = RouteRequest(chain, session_key, continues)
+            decision = choose_pd(self.policy, request, view, loads, self.cost, roles, self.pd.pricing)
         else:
             decision = self.policy.choose(RouteRequest(chain, session_key, continues), view, loads, self.cost)
-        return _new_routed(Routed, (decision, chain, view, loads))
+        routed = _new_routed(Routed, (decision, chain, view, loads))
+        if tracer is not None:
+            tracer.decided(routed, started, lookup)
+        return routed
+
+    async def _lookup(self, chain: PrefixChain) -> tuple[IndexView, str | None, tuple[float, str] | None]:
+        """The chain's one index lookup: what the index holds of it, the worker whose prompt
+        it continues (if any), and, when traced, the lookup's seconds and outcome."""
+        fallbacks = _fallbacks(self.index) if self.tracer is not None else None
+        t0 = time.perf_counter()
+        view = await self.index.lookup(chain.keys)
+        lookup_s = time.perf_counter() - t0
+        self.metrics.index_lookup_seconds.observe(lookup_s)
+        continues = None
+        if self.ends is not None and not chain.reply_depth:
+            # Read only: a dry run (/debug/route) must not change later decisions.
+            continues = self.ends.lookup(chain, view)
+        if self.tracer is None:
+            return view, continues, None
+        return view, continues, (lookup_s, lookup_outcome(view.depths, fallbacks, _fallbacks(self.index)))
 
     async def _pinned(self, body: dict[str, Any], response_id: str) -> Routed:
         """A request continuing a stored response: its owner only (the owner lookup is the
@@ -329,6 +357,8 @@ class Proxy:
         choice = ex.choice
         if choice is None or ex.kind is None or choice.decision.worker != worker:
             return  # or a retry went elsewhere than the decision priced
+        if ex.pd is not None and not ex.pd.local:
+            return  # D's first token waited on P's prefill: no measure of D's own costs
         dispatch = _dispatch_of(choice, worker)
         if dispatch is None:
             return
@@ -346,6 +376,9 @@ class Proxy:
         """A loaded request (`prepare`), from its tenant's limits and the admission queue
         to the end of its answer; each try is an `attempt_type` (the endpoint picker's
         answers its gateway instead of forwarding)."""
+        if self.tracer is not None and not self.tracer.tracing(ex):
+            await self.tracer.request(self, ex)  # which calls `handle` again, inside its span
+            return
         admission = self.admission
         first: Routed | None = None
         flow = _flow(ex) if admission.activity is not None else NO_FLOW
@@ -412,7 +445,12 @@ class Proxy:
         queue = self.prefill_queue
         if not queue.must_wait(ex.model, choice.loads):
             return choice
-        ex.prefill_turn = await queue.wait(ex.model, choice.decision.prefill_s)
+        t0 = time.perf_counter()
+        try:
+            ex.prefill_turn = await queue.wait(ex.model, choice.decision.prefill_s)
+        finally:
+            if self.tracer is not None:
+                self.tracer.span_between("kvroute.prefill_queue_wait", t0, {"kvroute.turn": ex.prefill_turn})
         return None
 
     def _end_prefill_turn(self, ex: Exchange) -> None:
@@ -460,6 +498,8 @@ class Proxy:
             raise
         finally:
             self.metrics.tenant_queue_wait(ex.tenant, time.perf_counter() - t0)
+            if self.tracer is not None:
+                self.tracer.span_between("kvroute.admission_wait", t0, {"kvroute.held_back": held_back})
         ex.turn = True
 
     async def _try_ranking(self, ex: Exchange, choice: Routed) -> _Outcome:
@@ -496,7 +536,12 @@ class Proxy:
             if not worker.breaker.begin():
                 continue
             expected = _expected_first_token_s(choice, name, ex.stream)
-            if name == decision.worker:
+            routed_as = None
+            if decision.pd is not None and self.pd is not None:  # P's params first, or a local prefill
+                routed_as = await self.pd.prepare(ex, choice, worker)
+            if routed_as is not None:
+                attempt = self.attempt_type(self, worker, *routed_as, *expected)
+            elif name == decision.worker:
                 attempt = self.attempt_type(self, worker, decision.reason, decision.prefill_s, *expected)
             else:
                 reason = "retry" if ex.attempts else "overload"
@@ -513,6 +558,8 @@ class Proxy:
                 attempt.mark(flow, light=light, stream=ex.stream)
             if ex.attempts == 1 and ex.tenant is not None:
                 admission.charge(_flow(ex), chain.total_tokens)  # its fair share: served now
+            if self.tracer is not None:
+                attempt.trace = self.tracer.attempt(ex, attempt)
             # One try on one worker, inline rather than a coroutine of its own: every frame
             # between the task and the upstream read is re-entered on each chunk relayed.
             try:
@@ -527,11 +574,15 @@ class Proxy:
             finally:
                 admission.gave_back(flow)
                 attempt.release()
+                if attempt.trace is not None:
+                    attempt.trace.close(ex)
         return "full" if full else "exhausted"
 
     async def _attempt_failed(self, ex: Exchange, attempt: Attempt, exc: AttemptFailed) -> None:
         """The worker failed before its first byte: count it; the next worker may try."""
         ex.last_error = exc.why
+        if ex.pd is not None and self.pd is not None:
+            self.pd.decode_failed(ex, exc)
         await attempt.failed(exc.why, exc.passive_down)
         retrying = ex.attempts < self.settings.max_attempts
         if retrying:
@@ -581,8 +632,16 @@ class Proxy:
             )
 
     async def stop(self) -> None:
+        if self.pd is not None:
+            await self.pd.stop()
         await self.deadlines.close()
         await self.client.aclose()
+
+
+def _fallbacks(index: PrefixIndex) -> float | None:
+    """A shared index's count of lookups answered from the local view (None: not shared)."""
+    stats = getattr(index, "stats", None)
+    return stats.get("fallback_lookups") if isinstance(stats, dict) else None
 
 
 def _flow(ex: Exchange) -> Flow:

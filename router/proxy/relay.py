@@ -83,8 +83,10 @@ async def relay_stream(
     tail = b""
     last = previous = first  # usage arrives in the last chunks: per-tenant generated tokens
     # Without usage (the client did not ask for it) the token events stand in for it.
-    counting = metrics.tenants is not None and ex.kind in COUNTED_KINDS
+    trace = attempt.trace
+    counting = (metrics.tenants is not None or trace is not None) and ex.kind in COUNTED_KINDS
     streamed = token_events(first) if counting else 0
+    how = "complete"  # how the stream ended, for its trace
     try:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
@@ -115,16 +117,21 @@ async def relay_stream(
             # the stream the way the client can parse rather than cutting it.
             tail = stream_failed(metrics, "the router is shutting down", ex.kind)
             ex.finished = True
+            if trace is not None:
+                trace.relayed("shutdown", attempt.first_byte_s, streamed=streamed)
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         if flight.expired == "total":
+            how = "total_timeout"
             tail = stream_failed(metrics, "the request exceeded its total timeout", ex.kind)
         else:
+            how = "stalled"
             attempt.interrupted("stream stalled")
             tail = stream_failed(metrics, "the worker stopped sending (timeout)", ex.kind)
     except UpstreamError as exc:
+        how = "worker_error"
         attempt.interrupted("stream broken")
         tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
     proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
@@ -139,6 +146,8 @@ async def relay_stream(
         # The usage (cached tokens) is what this answer teaches the cost model.
         proxy.learn_cost(ex, attempt.worker.name, attempt.sent_at, attempt.first_byte_s, usage)
     ex.finished = True
+    if trace is not None:
+        trace.relayed(how, attempt.first_byte_s, usage, streamed)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

@@ -299,9 +299,7 @@ def test_lmcache_daemonset_router_learns_nodes(per_node: list[Doc]) -> None:
     assert cfg["pool_capacity_tokens"] == POOL_TOKENS, "the pool flag is per node"
     assert not {"disk_capacity_tokens", "remote_capacity_tokens", "kv_bytes_per_token"} & set(cfg)
     role = find(per_node, "Role", "kvroute-discovery")
-    assert role["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
-    ]
+    assert role["rules"] == DISCOVERY_RULES
     dep = find(per_node, "Deployment", "kvroute")
     assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
 
@@ -597,13 +595,19 @@ def test_static_discovery_lists_each_pod(helm: str) -> None:
     assert cfg["kv_events"] == [f"vllm-{i}=tcp://{host.format(i)}:5557" for i in range(3)]
 
 
+# Discovery lists EndpointSlices (addresses, readiness, nodeName) and reads each endpoint's
+# pod for its role label; nothing else.
+DISCOVERY_RULES = [
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+]
+
+
 def test_k8s_discovery_gets_rbac(helm: str) -> None:
     docs = render(helm, "--set", "router.discovery.mode=k8s")
     assert router_config(docs)["discover"] == ["k8s://llm/kvroute-vllm-headless:8000"]
     role = find(docs, "Role", "kvroute-discovery")
-    assert role["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
-    ]
+    assert role["rules"] == DISCOVERY_RULES
     binding = find(docs, "RoleBinding", "kvroute-discovery")
     assert binding["subjects"][0]["name"] == "kvroute"
     assert (
@@ -1028,3 +1032,48 @@ def test_epp_tls_modes(helm: str) -> None:
     assert mounts(container(router, "router"))["/etc/kvroute/epp-tls"] == "epp-tls"
     proc = run_template(helm, "-f", str(EPP), "--set", "epp.tls.mode=secret")
     assert proc.returncode != 0 and "epp.tls.secretName" in proc.stderr
+
+
+# -- tracing ---------------------------------------------------------------------------------
+
+
+def test_tracing_is_off_by_default(default: list[Doc]) -> None:
+    assert not {k for k in router_config(default) if k.startswith(("otlp", "trace"))}
+    c = container(find(default, "StatefulSet", "kvroute-vllm"), "vllm")
+    assert "--otlp-traces-endpoint" not in c["args"] and "OTEL_SERVICE_NAME" not in env(c)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "endpoint", "vllm_endpoint", "vllm_protocol"),
+    [
+        ("http", "http://otel.obs:4318", "http://otel.obs:4318/v1/traces", "http/protobuf"),
+        ("http", "http://otel.obs:4318/custom/traces", "http://otel.obs:4318/custom/traces", "http/protobuf"),
+        ("grpc", "http://otel.obs:4317", "http://otel.obs:4317", "grpc"),
+    ],
+)
+def test_tracing_points_router_and_workers_at_the_collector(
+    helm: str, protocol: str, endpoint: str, vllm_endpoint: str, vllm_protocol: str
+) -> None:
+    docs = render(helm, "--set", f"tracing.otlpEndpoint={endpoint}", "--set", f"tracing.protocol={protocol}",
+                  "--set-json", "tracing.sampleRatio=0.25")
+    cfg = router_config(docs)
+    assert (cfg["otlp_endpoint"], cfg["otlp_protocol"]) == (endpoint, protocol)
+    assert (cfg["trace_sample_ratio"], cfg["trace_service_name"]) == (0.25, "kvroute")
+    c = container(find(docs, "StatefulSet", "kvroute-vllm"), "vllm")
+    args = [str(a) for a in c["args"]]
+    assert flag(args, "--otlp-traces-endpoint") == vllm_endpoint
+    assert env(c)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == vllm_protocol
+    assert env(c)["OTEL_SERVICE_NAME"] == "vllm"
+    # The router's config is what `kvroute serve` reads: it loads, tracing on.
+    from router.config_loader import flat_config
+
+    assert flat_config(**{k: v for k, v in cfg.items() if k.startswith(("otlp", "trace"))}).tracing.enabled
+
+
+def test_tracing_router_only_and_bad_values(helm: str) -> None:
+    docs = render(helm, "--set", "tracing.otlpEndpoint=http://otel:4318", "--set", "tracing.vllm.enabled=false")
+    assert router_config(docs)["otlp_endpoint"] == "http://otel:4318"
+    assert "--otlp-traces-endpoint" not in container(find(docs, "StatefulSet", "kvroute-vllm"), "vllm")["args"]
+    for bad in ("tracing.protocol=http/json", "tracing.otlpEndpoint=otel:4317"):
+        assert run_template(helm, "--set", bad).returncode != 0, bad
+    assert run_template(helm, "--set-json", "tracing.sampleRatio=2").returncode != 0

@@ -378,6 +378,8 @@ class FakeApiServer:
         )
         self.token = "token-1"
         self.slices: list[dict[str, Any]] = []
+        self.pods: dict[str, dict[str, str]] = {}
+        """Pod name -> its labels, served at /api/v1/namespaces/llm/pods/NAME."""
         self.requests: list[tuple[str, dict[str, list[str]], str]] = []
         server = self
 
@@ -388,6 +390,9 @@ class FakeApiServer:
                 server.requests.append((url.path, parse_qs(url.query), auth))
                 if auth != f"Bearer {server.token}":
                     self._send(401, {"kind": "Status", "code": 401})
+                elif url.path.startswith("/api/v1/namespaces/llm/pods/") and url.path.rsplit("/", 1)[1] in server.pods:
+                    labels = server.pods[url.path.rsplit("/", 1)[1]]
+                    self._send(200, {"kind": "Pod", "metadata": {"labels": labels}})
                 elif url.path != "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices":
                     self._send(404, {"kind": "Status", "code": 404})
                 else:
@@ -587,3 +592,32 @@ async def test_endpoint_slice_discovery_places_workers_on_their_nodes(
         await disc.stop()
         await client.aclose()
         await health.aclose()
+
+
+async def test_endpoint_slice_discovery_reads_roles_from_pod_labels(
+    setup: Any, api_server: FakeApiServer, tmp_path: Path
+) -> None:
+    """`kvroute.io/role`, or llm-d's `llm-d.ai/role`, on the pod behind an endpoint gives its
+    worker's role; a pod without one (or unreadable) is `both` unless `--role` says."""
+    fleet, _ = setup
+    token_file = tmp_path / "token"
+    token_file.write_text("token-1")
+    client = in_cluster_client(api_server=api_server.url, token_path=token_file, ca_path=api_server.cert)
+    doc = slice_doc({"127.0.0.2": True, "127.0.0.3": True, "127.0.0.4": True, "127.0.0.5": True})
+    for endpoint, pod in zip(doc["endpoints"], ("p-0", "d-0", "plain", "gone"), strict=True):
+        endpoint["targetRef"] = {"kind": "Pod", "name": pod, "namespace": "llm"}
+    api_server.slices = [doc]
+    api_server.pods = {"p-0": {"kvroute.io/role": "prefill"}, "d-0": {"llm-d.ai/role": "decode"}, "plain": {"app": "x"}}
+    disc = EndpointSliceDiscovery(fleet, "k8s://llm/vllm:http", interval_s=3600, client=client)
+    try:
+        await disc.start()
+        roles = {w.name: w.role for w in fleet}
+        assert roles == {"127.0.0.2:8000": "prefill", "127.0.0.3:8000": "decode", "127.0.0.4:8000": "both", "127.0.0.5:8000": "both"}
+        assert fleet.disaggregated()
+        pod_reads = sum(1 for path, _, _ in api_server.requests if "/pods/" in path)
+        await disc.refresh()
+        # Pods read are not read again; the unreadable one is retried.
+        assert sum(1 for path, _, _ in api_server.requests if "/pods/" in path) == pod_reads + 1
+    finally:
+        await disc.stop()
+        await client.aclose()

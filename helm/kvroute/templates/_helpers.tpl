@@ -300,8 +300,26 @@ app.kubernetes.io/part-of: kvroute
 {{- if or $r.auth.adminToken (and $r.auth.existingSecret $r.auth.adminTokenKey) -}}
 {{- $_ := set $cfg "admin_token_file" (printf "/etc/kvroute/secrets/%s" $r.auth.adminTokenKey) -}}
 {{- end -}}
+{{- $t := .Values.tracing -}}
+{{- if $t.otlpEndpoint -}}
+{{- $_ := set $cfg "otlp_endpoint" $t.otlpEndpoint -}}
+{{- $_ := set $cfg "otlp_protocol" $t.protocol -}}
+{{- $_ := set $cfg "trace_sample_ratio" (float64 $t.sampleRatio) -}}
+{{- $_ := set $cfg "trace_service_name" $t.serviceName -}}
+{{- end -}}
 {{- if and (not $workers) (not (hasKey $cfg "discover")) (not (hasKey $r.extraConfig "workers")) (not (hasKey $r.extraConfig "discover")) -}}
 {{- fail "the router has no workers: enable vllm, or list router.workers / set router.extraConfig.discover" -}}
 {{- end -}}
 {{- toYaml (mergeOverwrite $cfg $r.extraConfig) -}}
+{{- end -}}
+
+{{/* vLLM's --otlp-traces-endpoint: the collector's traces URL over http (vLLM's HTTP exporter
+     takes it whole), its address over grpc. */}}
+{{- define "kvroute.vllm.tracesEndpoint" -}}
+{{- $t := .Values.tracing -}}
+{{- if and (eq $t.protocol "http") (not (regexMatch "^[a-z]+://[^/]+/." $t.otlpEndpoint)) -}}
+{{- printf "%s/v1/traces" (trimSuffix "/" $t.otlpEndpoint) -}}
+{{- else -}}
+{{- $t.otlpEndpoint -}}
+{{- end -}}
 {{- end -}}
