@@ -232,6 +232,15 @@ class Tracer:
                 span.set_attribute("kvroute.retry_cause", ex.last_error)
         return AttemptTrace(self, span, _CURRENT.get())
 
+    def prefill(self, worker: str) -> AttemptTrace | None:
+        """The span of a disaggregated request's prefill on `worker` (kind client), whose
+        context the prefill worker receives; None outside a traced request."""
+        current = _CURRENT.get()
+        if current is None:
+            return None
+        span = self._tracer.start_span("kvroute.prefill", kind=self._kinds.CLIENT, attributes={"kvroute.worker": worker})
+        return AttemptTrace(self, span, None)
+
     def shutdown(self) -> None:
         """Export what is left and stop the exporter (blocking: call it off the event loop)."""
         self.provider.shutdown()

@@ -39,6 +39,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -295,7 +296,7 @@ class PdFlow:
             if not worker.breaker.begin():
                 continue
             st.prefill_tried.add(name)
-            outcome = await self._prefill_on(ex, st, worker, payload)
+            outcome = await self._traced_prefill_on(ex, st, worker, payload)
             self.prefills.inc(name, outcome)
             if outcome == "held":
                 return True
@@ -305,9 +306,29 @@ class PdFlow:
         self.fallbacks.inc("prefill_failed")
         return False
 
-    async def _prefill_on(self, ex: Exchange, st: PdState, worker: Worker, payload: bytes) -> str:
+    async def _traced_prefill_on(self, ex: Exchange, st: PdState, worker: Worker, payload: bytes) -> str:
+        """`_prefill_on`, in a `kvroute.prefill` span when the request is traced."""
+        tracer = self.proxy.tracer
+        trace = tracer.prefill(worker.name) if tracer is not None else None
+        if trace is None:
+            return await self._prefill_on(ex, st, worker, payload)
+        outcome = "cancelled"
+        try:
+            outcome = await self._prefill_on(ex, st, worker, payload, trace.headers)
+            return outcome
+        finally:
+            trace.span.set_attribute("kvroute.prefill.outcome", outcome)
+            if outcome == "failed":
+                trace.span.set_status(trace.tracer._error)
+            trace.span.end()
+
+    async def _prefill_on(
+        self, ex: Exchange, st: PdState, worker: Worker, payload: bytes,
+        traced: Callable[[Headers], Headers] | None = None,
+    ) -> str:
         """One prefill try: held, no_params, rejected or failed. Its prefill is queued on
-        the worker's load like any request's until it answers."""
+        the worker's load like any request's until it answers. `traced` adds the trace
+        context to the worker's headers."""
         proxy = self.proxy
         probing = worker.breaker.state is not CLOSED
         prefill_s = st.plan.prefill_s
@@ -315,9 +336,10 @@ class PdFlow:
             prefill_s = (proxy.loads.costs.get(worker.name) or proxy.cost).prefill_s(0, ex.choice.chain.total_tokens)
         ticket = proxy.loads.acquire(worker.name, prefill_s)
         s = proxy.settings
+        headers = _headers(ex, worker, s.forward_client_auth)
         try:
             status, body = await asyncio.wait_for(
-                self._exchange(worker, ex.scope["path"], _headers(ex, worker, s.forward_client_auth), payload),
+                self._exchange(worker, ex.scope["path"], traced(headers) if traced else headers, payload),
                 s.total_timeout_s or s.first_byte_timeout_s,
             )
         except (asyncio.TimeoutError, UpstreamError) as exc:

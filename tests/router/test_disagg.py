@@ -247,3 +247,28 @@ def test_a_client_leaving_during_the_decode_leaves_nothing_held(cluster: SimClus
         next(resp.iter_raw())
     wait_for(lambda: held(cluster) == 0)
     wait_for(lambda: all(httpx.get(f"{cluster.worker_urls[d]}/sim/state").json()["running"] == 0 for d in DECODE), timeout_s=10)
+
+
+# -- tracing -------------------------------------------------------------------------------------
+
+
+def test_a_traced_split_shows_the_prefill_beside_the_decode_attempt(cluster: SimCluster) -> None:
+    pytest.importorskip("opentelemetry.sdk.trace")
+    from loadtests.otlp import OtlpReceiver
+
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    with OtlpReceiver("http") as rx, router(cluster, "--pd-split", "always", "--otlp-endpoint", rx.endpoint) as r:
+        resp = httpx.post(r.url + PATHS["chat"], json=body("chat", False), timeout=30,
+                          headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+        assert resp.status_code == 200 and resp.headers["x-kvroute-route-reason"] == "pd"
+
+        def mine(spans: list[Any]) -> list[Any]:
+            return [s for s in spans if s.trace_id == trace_id]
+
+        spans = mine(rx.wait_for(lambda got: {"kvroute.request", "kvroute.prefill", "kvroute.attempt"} <= {s.name for s in mine(got)}))
+    request = next(s for s in spans if s.name == "kvroute.request")
+    prefill = next(s for s in spans if s.name == "kvroute.prefill")
+    attempt = next(s for s in spans if s.name == "kvroute.attempt")
+    assert prefill.parent_id == request.span_id and attempt.parent_id == request.span_id
+    assert prefill.attributes["kvroute.worker"] in PREFILL and prefill.attributes["kvroute.prefill.outcome"] == "held"
+    assert attempt.attributes["kvroute.worker"] in DECODE
