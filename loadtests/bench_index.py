@@ -12,7 +12,7 @@ Parts (each writes its section of DIR/bench_index.json; docs/redis.md summarizes
              (the added median is the acceptance figure: ≤ 0.5 ms) and 32 concurrent ones.
 * long     — the same for 32k-token prompts, as the estimate chain keys them (one key per
              64-token block, restarting at each message) beside one key per message (the
-             chain before issue 13): a single-message prompt and a 40-message conversation,
+             chain before block keys): a single-message prompt and a 40-message conversation,
              each looked up after its previous version was recorded on one worker and the
              pool, in the lookup part's populated index; chain hashing timed too.
 * media    — building the prefix chain of an agent conversation that adds one 300 KB
@@ -196,7 +196,7 @@ def _long_bodies(rng: random.Random, n: int) -> list[tuple[str, dict[str, Any], 
 
 
 def _message_chain(body: dict[str, Any]) -> list[int]:
-    """One key per message: the estimate chain before issue 13."""
+    """One key per message: the estimate chain before block keys."""
     return list(prefix_chain("m", chat_segments(body)).keys)
 
 

@@ -1,4 +1,4 @@
-"""`kvroute bench` support for issue 15: cost-model variants, heterogeneous fleets, the
+"""`kvroute bench` support for learned costs: cost-model variants, heterogeneous fleets, the
 learned coefficients over a run, and the ideal TTFT floor of a scenario.
 
 * Cost variants: a kvroute policy with `@learned` (no cost flags: the 8B defaults are priors

@@ -1,4 +1,4 @@
-"""Issue 16 acceptance, items 3 and 4: per-tenant limits across replicas, and fair share under
+"""Per-tenant limits across replicas, and fair share under
 overload, on simulated vLLM workers. JSON on stdout (and in `--out`).
 
     python -m loadtests.tenant_limits [--scenario limits|fairness|all] [--duration 60] [--out FILE]

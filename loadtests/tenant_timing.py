@@ -1,4 +1,4 @@
-"""The prompt-leak timing side channel, measured (issue 16): does tenant B's TTFT show that
+"""The prompt-leak timing side channel, measured: does tenant B's TTFT show that
 tenant A sent the same prompt?
 
 Behind `kvroute serve --tenants`, one router or N replicas sharing Redis, in front of the

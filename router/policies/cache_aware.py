@@ -24,14 +24,14 @@ arrival rate × wait). So a candidate's score adds its prefill of this request t
 requests waiting there for their first byte (`WorkerLoad.prefilling`). With no queues this
 is zero and the score is the request's own TTFT; under load, recomputing a conversation on
 a less busy worker must save more than the work it adds to that worker's queue, which is
-what a single request's TTFT does not see (issue 13: on the Mooncake conversation trace,
+what a single request's TTFT does not see (on the Mooncake conversation trace,
 greedy TTFT moved 151 of 193 continuing conversations and reused half of what the peers
 did; the fleet paid for the recomputes in queueing).
 
 The queue figures are the router's model; the load board also measures how far behind it
 each worker runs (`WorkerLoad.lag_s`: how much longer than predicted its oldest streamed
 request has been waiting for a first token), and the predicted TTFT adds that lag. Seen
-at saturation (issue 13, `seed` at 9.99 sessions/s): an engine whose KV is full admits a
+at saturation (`seed` at 9.99 sessions/s): an engine whose KV is full admits a
 waiting request only as running ones finish, a wait the model does not see; the worker
 holding the shared system prompt looked cheapest for every new session, took 515 of the
 window's 1,645 requests and answered 10x later than predicted. Priced with its lag, the
@@ -49,7 +49,7 @@ when every worker queues). A prefix that two or more workers hold, or the pool, 
 charged: it is shared and replicated already (a hot system prompt), a further copy stays in
 use, and spreading it is the bounded loads' job. (Charging it too piled new sessions onto
 the first holders of a shared system prompt in a closed loop of 20 conversations on 3
-workers, and their later turns then moved: affinity 0.78–0.82.) Measured (issue 13, the
+workers, and their later turns then moved: affinity 0.78–0.82.) Measured (the
 Mooncake conversation trace as completions without the pool, 8 workers at the speed where
 random saturates): the Little's-law charge alone moved 95–126 conversations holding 2k+
 tokens and reused 0.13–0.14 of the prompt tokens (the trace allows 0.204); with this charge
@@ -60,7 +60,7 @@ Those charges and the caps trade one request's time for the fleet's, and on a fl
 mixed speeds the trade has a bound (`own_time_guarded`): a request is not sent to a worker
 whose prefill of it is over a quarter longer than a faster one's, equally cached, when the
 faster one would answer it more than a quarter sooner. Without it the longest new prompts
-of a mixed fleet went to idle half-speed workers and were its tail (issue 15).
+of a mixed fleet went to idle half-speed workers and were its tail.
 
 A conversation's home is a worker holding the prompt of its previous turn: while that
 worker's queues are negligible the recent-count cap does not move the conversation
@@ -193,7 +193,7 @@ def own_time_guarded(chosen: CandidateScore, scores: Sequence[CandidateScore], s
     the longest new prompts to idle workers at half speed, where they took twice their
     prefill: a fast worker finishing one prefill doubled a long prompt's Little's-law
     charge there, or sat over its in-flight cap with decodes that barely delay a prefill
-    (issue 15: 26 of the slowest 63 requests of five mixed-fleet runs). So on a worker
+    (26 of the slowest 63 requests of five mixed-fleet runs). So on a worker
     whose prefill of this request is more than `SLOWER_WORKER_SLACK` longer than another's
     that reuses as much of it, the trade is bounded: the faster one with the lowest
     predicted TTFT is taken instead when `chosen`'s TTFT is longer by more than that slack

@@ -60,7 +60,7 @@ it), and the slot reservation is unchanged. Each holds a request back by one pre
 most; their end (`unmark`) wakes the waiters. A whole (non-streamed) answer's first byte
 comes after its decode, so its prefill counts as over when the cost model expected it to
 end (`Attempt.mark`).
-(Issue 16: a steady tenant beside a burst at 5× the fleet's capacity.)
+(Measured with a steady tenant beside a burst at 5× the fleet's capacity.)
 """
 
 from __future__ import annotations

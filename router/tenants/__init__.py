@@ -1,4 +1,4 @@
-"""Tenants: many customers on one fleet (issue 16).
+"""Tenants: many customers on one fleet.
 
 `model` holds the pure data every tenant feature reads: who a tenant is, which cache scope
 its prompts share, its weight in the fair-share queue and its limits. The file format and

@@ -1,4 +1,4 @@
-"""Per-tenant limits, enforced across every router replica through Redis (issue 16, item 3).
+"""Per-tenant limits, enforced across every router replica through Redis.
 
 Per request of a tenant with limits: one call of `limits.lua`, which checks the tenant's
 request and token buckets and its requests in flight, and charges them all or none,

@@ -19,7 +19,7 @@ def _prompts(upstream: RecordingUpstream) -> list[str]:
 
 def test_each_call_sends_prompts_new_to_the_workers() -> None:
     """Two phases with the same seed send the same arrivals, but never the same prompt: a
-    phase that resent an earlier phase's prompts measured cache hits (issue 16's limits)."""
+    phase that resent an earlier phase's prompts measured cache hits (the limits)."""
     with RecordingUpstream() as upstream:
         tenant_limits.MODEL[0] = upstream.model
         first, second = (Flow("steady", "sk-steady", 40.0, prompt_of(50, "steady"), 2) for _ in range(2))

@@ -90,7 +90,7 @@ def test_each_hash_id_is_a_fixed_block_of_512_tokens() -> None:
 
 
 def test_shared_hash_ids_are_shared_blocks_for_the_router() -> None:
-    """Issue 13's two parts together: a trace replayed as one user message shares, in the
+    """Block keys and trace replay together: a trace replayed as one user message shares, in the
     router's chain, every block its hash ids share (the chain is block-granular)."""
     build = EstimateChainBuilder()
 

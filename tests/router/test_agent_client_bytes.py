@@ -1,5 +1,5 @@
 """The Anthropic SDK's tools, sent twice with their keys in different orders, reach the
-worker as identical bytes (issue 14): kvroute forwards the canonical body, so a worker's
+worker as identical bytes: kvroute forwards the canonical body, so a worker's
 prefix cache sees one prompt however the client happened to order its JSON. The recording
 upstream stands in for the worker, because only it can show the bytes it received.
 """

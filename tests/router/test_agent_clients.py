@@ -1,5 +1,5 @@
 """The client libraries agents are built with, pointed at kvroute in front of simulated
-workers (issue 14): the OpenAI Agents SDK with its default model (the Responses API), fed
+workers: the OpenAI Agents SDK with its default model (the Responses API), fed
 back with `to_input_list()` and chained with `previous_response_id`; the Anthropic SDK's
 `messages.create` and `messages.stream` through a tool loop; langchain-openai's ChatOpenAI
 streaming over chat completions. Every request must be a 200 and every request after a

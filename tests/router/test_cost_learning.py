@@ -1,4 +1,4 @@
-"""Cost learning end to end (issue 15): a router in front of simulated workers of different
+"""Cost learning end to end: a router in front of simulated workers of different
 speeds learns each one's cost from its answers; `--cost-learning off` keeps the static ones.
 Ratios only, with wide margins: no timing thresholds (CI machines are busy)."""
 

@@ -133,7 +133,7 @@ def test_new_sessions_spread_when_nothing_is_cached() -> None:
 
 def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> None:
     """Recomputing a conversation on a less busy worker must save more than the prefill it
-    adds to that worker's queue: greedy TTFT alone moves it (issue 13)."""
+    adds to that worker's queue: greedy TTFT alone moves it."""
     document, question = "x" * 40_000, "y" * 4_000
     c = chain(document, question)
     view = IndexView({"a": len(chain(document))})  # a holds the document (10k tokens)
@@ -158,7 +158,7 @@ def test_cache_aware_charges_a_placement_the_delay_it_adds_to_the_queue() -> Non
 def test_a_long_prompt_is_not_sent_to_a_slow_worker_for_the_sake_of_others() -> None:
     """On a fleet of mixed speeds the charges for others and the caps traded a long new
     prompt's own time for the fleet's: an idle worker at half speed beat a fast one
-    finishing a prefill, or one over its in-flight cap with decodes (issue 15: the mixed
+    finishing a prefill, or one over its in-flight cap with decodes (the mixed
     fleet's tail). A request may be made to wait a quarter longer for others, not twice."""
     slow_cost = CostModel(prefill_base_s=2 * COST.prefill_base_s, prefill_ctx_s=2 * COST.prefill_ctx_s)
     names = ("f0", "f1", "s0", "s1")
@@ -188,8 +188,8 @@ def test_a_long_prompt_is_not_sent_to_a_slow_worker_for_the_sake_of_others() -> 
 
 def test_recomputing_a_held_prefix_is_charged_by_how_busy_the_fleet_is() -> None:
     """Recomputed prefill is work the fleet does twice: near saturation it delays the
-    requests that arrive before the fleet catches up, not only those queued now (issue 13:
-    on the Mooncake conversation trace the moves that looked right one request at a time
+    requests that arrive before the fleet catches up, not only those queued now
+    (on the Mooncake conversation trace the moves that looked right one request at a time
     reused 0.13 of the prompts where the trace allows 0.20, and raised the mean TTFT)."""
     step = COST.step_s
     names = [f"w{i}" for i in range(8)]

@@ -1,4 +1,4 @@
-"""Low-load stickiness (issue 13): one conversation keeps its worker however skewed the
+"""Low-load stickiness: one conversation keeps its worker however skewed the
 recent counts, while its worker's queues are negligible; hot prefixes still spread."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-worker speed (issue 15): `sim-cluster --speeds`, and `POST /sim/speed` at runtime."""
+"""Per-worker speed: `sim-cluster --speeds`, and `POST /sim/speed` at runtime."""
 
 from __future__ import annotations
 

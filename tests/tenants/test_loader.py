@@ -1,5 +1,5 @@
 """The tenants file: what it describes, and a clear error naming the line for every mistake
-(issue 16's bad-input table: a duplicate key, an unknown sharing group, a malformed limit)."""
+(the bad-input table: a duplicate key, an unknown sharing group, a malformed limit)."""
 
 from __future__ import annotations
 
