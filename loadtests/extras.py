@@ -9,30 +9,13 @@ measurements, with only its per-request log written.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Sequence
 
+from router.extras import require_extra
+
 BENCH_MODULES = ("psutil", "matplotlib")
-INSTALL_BENCH = "pip install 'kvroute[bench]'"
-
-
-def missing_modules(modules: Sequence[str]) -> list[str]:
-    """Those of `modules` that cannot be imported here (found without importing them)."""
-    missing = []
-    for name in modules:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 def require_bench_extra(prog: str, modules: Sequence[str] = BENCH_MODULES) -> None:
     """Exit with status 2 and one line naming the extra if a module of it is missing."""
-    missing = missing_modules(modules)
-    if missing:
-        print(f"{prog}: needs the `bench` extra ({', '.join(missing)} missing): {INSTALL_BENCH}", file=sys.stderr)
-        raise SystemExit(2)
+    require_extra(prog, "bench", modules)
