@@ -351,11 +351,7 @@ class GatewayAttempt(Attempt):
                 await proxy.index.written()
             if self.first_byte_s is not None:
                 proxy.learn_cost(ex, self.worker.name, self.sent_at, self.first_byte_s, usage)
-            ex.finished = True
-            if kind == "response_body":
-                await ex.pass_chunk(chunk, True)
-            elif kind == "response_trailers":
-                await ex.gateway.send(m.trailers_response(request=False))
+            await _pass_end(ex, kind, chunk)
             return
 
     def _first_token(self, ex: GatewayExchange, now: float, responses: bool) -> None:
@@ -400,11 +396,7 @@ class GatewayAttempt(Attempt):
                 await learner.from_body(body)
             if ex.recorded:  # the client's next turn may come at once, through another replica
                 await proxy.index.written()
-            ex.finished = True
-            if kind == "response_body":
-                await ex.pass_chunk(chunk, True)
-            elif kind == "response_trailers":
-                await ex.gateway.send(m.trailers_response(request=False))
+            await _pass_end(ex, kind, chunk)
             return
 
 
@@ -619,3 +611,13 @@ class Picker:
                     await gateway.send(*m.streamed_bodies(body.body, request=False, end=body.end_of_stream))
                 elif response_mode != m.BODY_NONE:
                     await gateway.send(m.unchanged_body(request=False))
+
+
+async def _pass_end(ex: GatewayExchange, kind: str | None, chunk: bytes) -> None:
+    """The answer's last message on to the gateway: its last body chunk, or its trailers.
+    The exchange counts as finished from here."""
+    ex.finished = True
+    if kind == "response_body":
+        await ex.pass_chunk(chunk, True)
+    elif kind == "response_trailers":
+        await ex.gateway.send(m.trailers_response(request=False))
