@@ -32,7 +32,7 @@ from router.routing import CandidateScore, WorkerLoad
 from router.workers import ROLES, Fleet, Worker, WorkerSpec, parse_worker_arg
 
 if TYPE_CHECKING:
-    from router.policies.disagg import PdPlan
+    from router.routing import PdPlan
     from router.services import Services
     from router.tenants.model import Tenant
 

@@ -30,10 +30,18 @@ unless `--cost-learning off`, each worker's coefficients are learned online from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from router.routing import WorkerLoad
+
+class Queue(Protocol):
+    """What the TTFT prediction reads of a worker's load (`router.routing.WorkerLoad`)."""
+
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def queued_prefill_s(self) -> float: ...
+    @property
+    def lag_s(self) -> float: ...
 
 
 DEFAULTS = {"prefill_base_us": 20.3, "prefill_ctx_ns": 1.01, "pool_load_us": 2.4, "inflight_penalty_ms": 0.3, "step_ms": 15.0}
@@ -228,7 +236,7 @@ class CostModel:
         )  # fmt: skip
         return Reuse(gpu, pool, disk, remote), seconds
 
-    def predicted_ttft_s(self, load: WorkerLoad, held: Held, total_tokens: int) -> tuple[float, float, Reuse]:
+    def predicted_ttft_s(self, load: Queue, held: Held, total_tokens: int) -> tuple[float, float, Reuse]:
         """(prefill seconds, time to first token, the reuse they assume) of a prompt of
         total_tokens on a worker at `load` holding `held` of it. The prefill is `reuse`'s
         plus the worker's fixed overhead; the TTFT adds the prefill already

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from cache_client.base import IndexView
 from cache_client.tiers import DEFAULT_NODE
 from normalizer.prefix import PrefixChain
 from router.cost import NO_REUSE, CostModel, Reuse
-
-if TYPE_CHECKING:
-    from router.policies.disagg import PdPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +77,33 @@ class CandidateScore(NamedTuple):
     """Under the bounded-load caps: only such candidates can be chosen."""
     load: WorkerLoad
     """The load it was priced at (in-flight count, queued prefill)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PdPlan:
+    """How a disaggregated fleet serves one request, and the numbers that chose it."""
+
+    mode: str
+    """`pd` (P prefills, D pulls and decodes) or `pd_local` (D prefills what it lacks)."""
+    why: str
+    prefill_worker: str | None = None
+    prefill_ranking: tuple[str, ...] = ()
+    """Other prefill-capable workers, best first: where to prefill if P fails."""
+    prefill_s: float = 0.0
+    """P's predicted prefill of this request."""
+    local_prefill_s: float = 0.0
+    """D's predicted prefill of what it lacks (the stall a local prefill adds to its decodes)."""
+    local_ttft_s: float = 0.0
+    pd_ttft_s: float | None = None
+    """None: no prefill worker to split with."""
+    transfer_s: float = 0.0
+    pull_tokens: int = 0
+    """Prompt tokens D lacks, pulled from P."""
+    running_decodes: int = 0
+    itl_budget_s: float = 0.0
+    decode_reason: str = ""
+    """The policy's own reason for D (gpu_hit, miss, overload, ...)."""
+    prefill_scores: tuple[CandidateScore, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from typing import NamedTuple
 from cache_client.base import IndexView
 from router.cost import KV_BYTES_PER_TOKEN, CostModel, Held
 from router.policies.base import Policy
-from router.routing import CandidateScore, RouteDecision, RouteRequest, WorkerLoad
+from router.routing import PdPlan, RouteDecision, RouteRequest, WorkerLoad
 from router.workers import BOTH, DECODE, PREFILL
 
 PD, PD_LOCAL = "pd", "pd_local"
@@ -80,33 +80,6 @@ class PdPricing(NamedTuple):
     transfer_s_per_token: float = KV_BYTES_PER_TOKEN * 8 / 400e9
     always: bool = False
     """Split whenever a prefill worker is available, unpriced."""
-
-
-@dataclass(frozen=True, slots=True)
-class PdPlan:
-    """How a disaggregated fleet serves one request, and the numbers that chose it."""
-
-    mode: str
-    """`pd` (P prefills, D pulls and decodes) or `pd_local` (D prefills what it lacks)."""
-    why: str
-    prefill_worker: str | None = None
-    prefill_ranking: tuple[str, ...] = ()
-    """Other prefill-capable workers, best first: where to prefill if P fails."""
-    prefill_s: float = 0.0
-    """P's predicted prefill of this request."""
-    local_prefill_s: float = 0.0
-    """D's predicted prefill of what it lacks (the stall a local prefill adds to its decodes)."""
-    local_ttft_s: float = 0.0
-    pd_ttft_s: float | None = None
-    """None: no prefill worker to split with."""
-    transfer_s: float = 0.0
-    pull_tokens: int = 0
-    """Prompt tokens D lacks, pulled from P."""
-    running_decodes: int = 0
-    itl_budget_s: float = 0.0
-    decode_reason: str = ""
-    """The policy's own reason for D (gpu_hit, miss, overload, ...)."""
-    prefill_scores: tuple[CandidateScore, ...] = ()
 
 
 def roles_split(loads: Sequence[WorkerLoad], roles: Mapping[str, str]) -> tuple[list[WorkerLoad], list[WorkerLoad]]:

@@ -47,9 +47,10 @@ import orjson
 
 from cache_client.redact import exc_summary
 from router.breaker import CLOSED
-from router.policies.disagg import PD, PD_LOCAL, DisaggSettings, PdPlan, PdPricing
+from router.policies.disagg import PD, PD_LOCAL, DisaggSettings, PdPricing
 from router.proxy.attempt import RETRYABLE_STATUS, AttemptFailed
 from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError
+from router.routing import PdPlan
 from router.workers import PREFILL, Worker
 
 if TYPE_CHECKING:
