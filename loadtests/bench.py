@@ -3,6 +3,8 @@
     kvroute bench --scenario seed --policies random,round_robin,least_loaded,cache_aware \
         [--peers sglang-router,vllm-router] [--find-capacity --slo-p99-ttft 2.0] \
         [--workers 8] [--time-scale S|auto] [--seed N] [--api chat|responses|messages] --out DIR
+    kvroute bench --roles prefill:2,decode:6 [--kv-link-gbps G] --policies cache_aware,cache_aware+agg \
+        [--peers vllm-router/pd] --out DIR
     kvroute bench --trace FILE [--trace-window START,MINUTES] [--trace-speed X] \
         [--api chat|completions] --policies ... [--peers ...] --out DIR
 
@@ -37,6 +39,15 @@ says whether its cluster has the pool: cache-blind policies (`random`, `round_ro
 `least_loaded`) run without it by default (the incident's baseline), cache-aware ones and
 the peers with it. Append `+pool` or `-nopool` to change that for one entry, e.g.
 `random+pool` (a stronger baseline: LMCache alone) or `cache_aware-nopool` (routing alone).
+
+Disaggregated fleets. `--roles` (sim-cluster's syntax: `prefill:2,decode:6`, or one role per
+worker) gives the simulated workers their roles and kvroute entries the matching `--role`
+flags; `vllm-router/pd` runs vLLM's router in its prefill/decode mode on the same fleet.
+An entry named `NAME+agg` runs on the same workers all `both` (an aggregated fleet, kvroute
+without `--role`), so one results file compares the two; `--roles both:8` is the
+aggregated fleet for a whole run. Every entry of a `--roles` run also reports the
+inter-token latency's p99 from the client's streamed token events, the simulated workers'
+decode tokens/s and how many requests were split (results.md: "Disaggregated fleet").
 """
 
 from __future__ import annotations
@@ -74,11 +85,11 @@ from loadtests.harness import (
     sim_clock_ratio,
     worker_hit_ratio,
 )
-from loadtests.peers import PEERS, PeerRouter, parse_peer, result_key
+from loadtests.peers import PD_POLICY, PEERS, PeerRouter, parse_peer, pd_worker_args, result_key
 from loadtests.plots import capacity_curve, plot_or_log, ttft_by_turn, ttft_cdf
 from loadtests.processes import stop_children_on_signals
 from loadtests.routerproc import RouterProcess
-from loadtests.sim.cluster import node_flags, topology
+from loadtests.sim.cluster import node_flags, parse_roles, role_flags, topology
 from loadtests.sim.costs import DEFAULT_PROFILE, PROFILES, build_cost_model
 from loadtests.sim.pool import DEFAULT_CAPACITY_TOKENS as POOL_CAPACITY_TOKENS
 from loadtests.workload import SCENARIOS, Rates, Workload, build_workload, derive_rates
@@ -138,6 +149,8 @@ class Entry:
     via: str = "proxy"
     """How kvroute receives the requests (`--via`): `proxy` (kvroute serve), or `envoy`
     (Envoy asking `kvroute epp`, loadtests/envoy.py)."""
+    aggregated: bool = False
+    """`NAME+agg` in a `--roles` run: the same workers all `both`, the router told no roles."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -149,6 +162,14 @@ def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
 
 
 ONE_POOL_SUFFIX = "+onepool"
+AGG_SUFFIX = "+agg"
+
+
+def _split_agg_suffix(item: str) -> tuple[str, bool]:
+    """`NAME+agg` (always the last suffix) → (NAME, True)."""
+    if item.endswith(AGG_SUFFIX):
+        return item[: -len(AGG_SUFFIX)], True
+    return item, False
 
 
 def _split_queue_suffix(item: str) -> tuple[str, int]:
@@ -161,7 +182,8 @@ def _split_queue_suffix(item: str) -> tuple[str, int]:
 
 def parse_entries(policies: str, peers: str) -> list[Entry]:
     entries: list[Entry] = []
-    for raw in (p.strip() for p in policies.split(",") if p.strip()):
+    for item in (p.strip() for p in policies.split(",") if p.strip()):
+        raw, agg = _split_agg_suffix(item)
         named, pool = _split_pool_suffix(raw)
         one_pool = named.endswith(ONE_POOL_SUFFIX)
         base, queue = _split_queue_suffix(named.removesuffix(ONE_POOL_SUFFIX))
@@ -170,13 +192,16 @@ def parse_entries(policies: str, peers: str) -> list[Entry]:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         default = name not in CACHE_BLIND
         pool = default if pool is None else pool
-        entries.append(Entry(named if pool == default else raw, "kvroute", name, None, pool, variant, queue, one_pool))
-    for raw in (p.strip() for p in peers.split(",") if p.strip()):
+        key = (named if pool == default else raw) + (AGG_SUFFIX if agg else "")
+        entries.append(Entry(key, "kvroute", name, None, pool, variant, queue, one_pool, aggregated=agg))
+    for item in (p.strip() for p in peers.split(",") if p.strip()):
+        raw, agg = _split_agg_suffix(item)
         name, pool = _split_pool_suffix(raw)
         for peer, policy in parse_peer(name):
             key = result_key(peer, policy)
             use_pool = True if pool is None else pool
-            entries.append(Entry(key if use_pool else f"{key}-nopool", "peer", policy, peer, use_pool))
+            key = (key if use_pool else f"{key}-nopool") + (AGG_SUFFIX if agg else "")
+            entries.append(Entry(key, "peer", policy, peer, use_pool, aggregated=agg))
     keys = [e.key for e in entries]
     if len(set(keys)) != len(keys):
         raise ValueError(f"a router is listed twice: {keys}")
@@ -250,6 +275,20 @@ class RunSetup:
     """The remote tier's bandwidth (None: the simulator's and the router's default)."""
     image_rule: str | None = None
     """The scenario's image rule (`ScenarioSpec.image_rule`), or None for none."""
+    roles: list[str] | None = None
+    """`--roles`: each worker's role, in worker order (None: no roles, the bench as before)."""
+    kv_link_gbps: float | None = None
+    """The P→D KV link (None: the simulator's and kvroute's default)."""
+
+    def entry_roles(self, entry: Entry) -> dict[str, str] | None:
+        """The roles the entry's fleet runs with: None without `--roles`, all `both` for
+        `NAME+agg`."""
+        if self.roles is None:
+            return None
+        return {f"w{i}": "both" if entry.aggregated else role for i, role in enumerate(self.roles)}
+
+    def link_args(self) -> list[str]:
+        return ["--pd-link-gbps", str(self.kv_link_gbps)] if self.kv_link_gbps is not None else []
 
     def image_args(self) -> list[str]:
         """`--image-rule`, the same for the simulator and kvroute: the router predicts an
@@ -282,6 +321,9 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
         args += node_flags(topology(setup.workers, setup.nodes))
     args += setup.tier_args(entry.pool)
     args += setup.image_args()
+    roles = setup.entry_roles(entry)
+    if roles is not None:
+        args += role_flags(roles) + setup.link_args()
     if entry.prefill_queue:
         args += ["--prefill-queue-tokens", str(entry.prefill_queue)]
     if entry.cost is not None:
@@ -305,6 +347,7 @@ async def run_entry(
     from loadtests.sim.cluster import SimCluster
 
     tiers = setup.tier_args(entry.pool)
+    roles = setup.entry_roles(entry)
     cluster = SimCluster(
         workers=setup.workers,
         time_scale=setup.time_scale,
@@ -320,6 +363,8 @@ async def run_entry(
         extra_args=["--auto-tool-calls", "text", *tiers, *setup.image_args()],
         speeds=setup.speeds,
         nodes=setup.nodes,
+        roles=list(roles.values()) if roles else None,
+        kv_link_gbps=setup.kv_link_gbps,
     )
     await asyncio.to_thread(cluster.start)
     router: RouterProcess | PeerRouter | envoy.EnvoyPicker
@@ -331,7 +376,8 @@ async def run_entry(
             router = RouterProcess(cluster.worker_urls, entry.policy, _kvroute_args(setup, entry), log_path=log)
         else:
             assert entry.peer is not None
-            router = PeerRouter(entry.peer, entry.policy, list(cluster.worker_urls.values()), log_path=log)
+            urls = list(cluster.worker_urls.values())
+            router = PeerRouter(entry.peer, entry.policy, urls, log_path=log, roles=list(roles.values()) if roles else None)
         await asyncio.to_thread(router.start)
         try:
             return await _measure(entry, workload, setup, cluster, router, progress)
@@ -388,7 +434,10 @@ async def _measure(
             if isinstance(workload, traces.Trace):
                 outcome = await traces.drive_trace(workload, router.url, setup.time_scale, progress=progress)
             else:
-                outcome = await harness.drive(workload, router.url, setup.time_scale, progress=progress, api=setup.api)
+                outcome = await harness.drive(
+                    workload, router.url, setup.time_scale, progress=progress, api=setup.api,
+                    record_gaps=setup.roles is not None,
+                )  # fmt: skip
         finally:
             await queues.stop()
             if costs is not None:
@@ -415,6 +464,9 @@ async def _measure(
         sim_clock=sim_clock_ratio(before, after, t_after - t_before, setup.time_scale),
     )
     summary = summarize(entry, outcome, delta, router_before, router_after)
+    roles = setup.entry_roles(entry)
+    if roles is not None:
+        summary.update(disagg_summary(outcome, delta, before, after, roles))
     summary["queues"] = queues.summary()
     measured_from_s = getattr(workload, "warmup_s", 0.0)
     summary["kv_held_share"] = queues.kv_held_share(
@@ -441,6 +493,51 @@ async def _measure(
         "bottleneck": verdict,
     }
     return summary, outcome
+
+
+def decode_rates(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """Each simulated worker's generated tokens per simulated second between two scrapes."""
+    rates: dict[str, float | None] = {}
+    for name, values in after.items():
+        base = before.get(name, {})
+        sim_s = values.get("sim:simulated_seconds", 0.0) - base.get("sim:simulated_seconds", 0.0)
+        tokens = values.get("vllm:generation_tokens_total", 0.0) - base.get("vllm:generation_tokens_total", 0.0)
+        rates[name] = tokens / sim_s if sim_s > 0 else None
+    return rates
+
+
+def disagg_summary(
+    outcome: RunOutcome,
+    delta: dict[str, float],
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    roles: dict[str, str],
+) -> dict[str, Any]:
+    """A `--roles` run's decode side: the inter-token latency's percentiles from the client's
+    token events; the workers' own mean ITL, decode tokens/s and prefill/decode splits (from
+    the simulator's counters over the whole run, warm-up included)."""
+    gaps = outcome.itl_gaps_s
+    rates = decode_rates(before, after)
+    decoders = [rates.get(w) for w, role in roles.items() if role != "prefill"]
+    itl_n = delta.get("vllm:inter_token_latency_seconds_count", 0.0)
+    pulls = delta.get("kvroute_sim:nixl_pulls_total", 0.0)
+    answered = sum(1 for r in outcome.records if r.ttft_s is not None and r.error is None and not r.censored)
+    return {
+        "roles": roles,
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "itl_gaps": len(gaps),
+        "itl_source": "client: gaps between the streamed token events of the measured requests",
+        "worker_itl_mean_s": delta.get("vllm:inter_token_latency_seconds_sum", 0.0) / itl_n if itl_n else None,
+        "decode_tok_per_s": sum(r for r in decoders if r is not None),
+        "decode_tok_per_s_by_worker": rates,
+        "pd": {
+            "pulls": pulls,
+            "pulled_tokens": delta.get("kvroute_sim:nixl_pulled_tokens_total", 0.0),
+            "split_share": pulls / answered if answered else None,
+            "decode_local_prefills": delta.get("kvroute_sim:pd_local_prefills_total", 0.0),
+        },
+    }
 
 
 COPIED = "kvroute_predicted_copied_tokens_total"
@@ -684,9 +781,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def agg_comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each router on the disaggregated fleet over itself on the aggregated one (`NAME+agg`):
+    TTFT mean and p99, inter-token latency mean and p99 (below 1: the split fleet is faster)."""
+    out: dict[str, Any] = {}
+    for key, r in routers.items():
+        agg = routers.get(key + AGG_SUFFIX)
+        if agg is None:
+            continue
+        for field in ("ttft_mean_s", "ttft_p99_s", "itl_mean_s", "itl_p99_s"):
+            out[f"{key}_over_agg_{field.removesuffix('_s')}"] = _ratio(r.get(field), agg.get(field))
+    return out
+
+
 def comparison(routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = cost_learning.comparison(routers)
     out.update(envoy.via_comparison(routers))
+    out.update(agg_comparison(routers))
     ca = routers.get("cache_aware")
     if ca is None:
         return out
@@ -764,6 +875,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines.append(f"| {key} | {_fmt(f['pool'])} | failed: {f['error'][:120]} |" + " |" * 10)
     if trace_rows:
         lines += ["", "## Against the trace's ideal", "", *trace_rows]
+    lines += disagg_lines(results)
     lines += _tier_lines(routers)
     lines += cost_learning.markdown_lines(routers, results["comparison"])
     lines += ["", "## Comparison", ""]
@@ -785,6 +897,41 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines += ["", "## GuideLLM (independent client)", "", "```", json.dumps(results["guidellm"], indent=1)[:4000], "```"]
     lines += ["", f"Wall time: {results['wall_s']:.0f} s.", ""]
     path.write_text("\n".join(lines))
+
+
+def fleet_label(roles: dict[str, str]) -> str:
+    """`2P+6D`, `8 aggregated`, or with `both` workers among others `1P+2D+1B`."""
+    counts = {role: sum(1 for r in roles.values() if r == role) for role in ("prefill", "decode", "both")}
+    if counts["both"] == len(roles):
+        return f"{len(roles)} aggregated"
+    parts = [f"{counts[role]}{role[0].upper()}" for role in ("prefill", "decode", "both") if counts[role]]
+    return "+".join(parts)
+
+
+def disagg_lines(results: dict[str, Any]) -> list[str]:
+    """The `--roles` table: per router its fleet, TTFT, inter-token latency, decode
+    throughput and splits (nothing for a run without roles)."""
+    routers = {k: r for k, r in results["routers"].items() if "roles" in r}
+    if not routers:
+        return []
+    lines = [
+        "", "## Disaggregated fleet", "",
+        "Simulated seconds. ITL: gaps between the streamed token events the client received (the measured "
+        "requests); worker ITL: the simulated workers' own mean. Decode tok/s: per stream (1 ÷ ITL mean), and "
+        "the fleet's decode-capable workers' generated tokens per simulated second over the run. Split: "
+        "requests whose prompt KV a decode worker pulled from a prefill worker, per answered request.", "",
+        "| router | fleet | TTFT mean | TTFT p99 | ITL mean | ITL p99 | worker ITL | decode tok/s per stream | "
+        "fleet decode tok/s | split | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for key, r in routers.items():
+        lines.append(
+            f"| {key} | {fleet_label(r['roles'])} | {_fmt(r['ttft_mean_s'])} | {_fmt(r['ttft_p99_s'])} | "
+            f"{_fmt(r['itl_mean_s'], 4)} | {_fmt(r['itl_p99_s'], 4)} | {_fmt(r['worker_itl_mean_s'], 4)} | "
+            f"{_fmt(r['output_tok_per_s'], 1)} | {_fmt(r['decode_tok_per_s'], 0)} | {_fmt(r['pd']['split_share'])} | "
+            f"{r['requests_failed']} |"
+        )
+    return lines
 
 
 def _tier_lines(routers: dict[str, dict[str, Any]]) -> list[str]:
@@ -872,6 +1019,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed-change", default=None,
         help="WORKER=SPEED@SIM_SECONDS[,...]: change a worker's speed during the run (POST /sim/speed)",
     )  # fmt: skip
+    p.add_argument(
+        "--roles", default=None,
+        help="the workers' roles, as sim-cluster's --roles: prefill:2,decode:6 or one per worker; kvroute gets "
+        "the matching --role flags, NAME+agg entries run on the same workers all both",
+    )  # fmt: skip
+    p.add_argument("--kv-link-gbps", type=float, default=None, help="with --roles: the P→D KV link (default 400 Gb/s)")
     p.add_argument("--via", default="proxy", help="how kvroute entries get requests: proxy, envoy (Envoy asking kvroute "
                    "epp) or proxy,envoy (each both ways; through Envoy as NAME+envoy)")
     p.add_argument("--out", required=True)
@@ -931,6 +1084,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         args.workers, args.profile, time_scale, kv_capacity, POOL_CAPACITY_TOKENS, out / "logs", api, args.seed,
         speeds, tuple(cost_learning.parse_speed_changes(args.speed_change)), args.nodes, args.disk_capacity_tokens,
         args.remote_capacity_tokens, args.remote_gbps, None if args.trace else scenario.image_rule,
+        parse_roles(args.roles, args.workers) if args.roles else None, args.kv_link_gbps,
     )  # fmt: skip
     bar = ProgressBar(sys.stderr.isatty())
     routers: dict[str, dict[str, Any]] = {}
@@ -1009,6 +1163,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "disk_capacity_tokens": args.disk_capacity_tokens,
             "remote_capacity_tokens": args.remote_capacity_tokens,
             "remote_gbps": args.remote_gbps,
+            # Only with --roles: a run without them writes the keys it always wrote.
+            **({"roles": setup.roles, "kv_link_gbps": args.kv_link_gbps} if setup.roles else {}),
         },
         "routers": routers,
         "failed": failed,
@@ -1047,7 +1203,11 @@ def _spec_dict(spec: Any) -> dict[str, Any]:
 
 
 def one_line_summary(results: dict[str, Any], out: str) -> str:
-    keep = ("ttft_mean_s", "ttft_p99_s", "output_tok_per_s", "worker_hit_ratio", "predicted_hit_ratio", "capacity_sessions_per_s")
+    # Fields a router lacks are left out: the `--roles` ones appear in `--roles` runs only.
+    keep = (
+        "ttft_mean_s", "ttft_p99_s", "output_tok_per_s", "worker_hit_ratio", "predicted_hit_ratio",
+        "capacity_sessions_per_s", "itl_p99_s", "decode_tok_per_s",
+    )  # fmt: skip
     return json.dumps(
         {
             "out": out,
@@ -1072,13 +1232,38 @@ def _positive(text: str) -> bool:
         return False
 
 
+def check_roles(args: argparse.Namespace, entries: list[Entry]) -> None:
+    """`--roles` and what depends on it, checked before anything starts."""
+    if args.kv_link_gbps is not None and not args.kv_link_gbps > 0:
+        raise ValueError("--kv-link-gbps must be positive")
+    if not args.roles:
+        if any(e.aggregated for e in entries):
+            raise ValueError(f"NAME{AGG_SUFFIX} runs an entry on the --roles fleet's workers all both; give --roles")
+        if any(e.policy == PD_POLICY and e.kind == "peer" for e in entries):
+            raise ValueError(f"a peer's /{PD_POLICY} mode needs a fleet with roles; give --roles")
+        if args.kv_link_gbps is not None:
+            raise ValueError("--kv-link-gbps applies to --roles")
+        return
+    roles = parse_roles(args.roles, args.workers)
+    if args.trace:
+        raise ValueError("--roles applies to a scenario (the trace replay records no inter-token gaps)")
+    if "envoy" in envoy.parse_via(args.via):
+        raise ValueError("--roles: kvroute epp does not split requests; use --via proxy")
+    for e in entries:
+        if e.kind == "peer" and e.policy == PD_POLICY:
+            if e.aggregated:
+                raise ValueError(f"{e.key}: a peer's /{PD_POLICY} mode needs prefill and decode workers")
+            pd_worker_args([""] * len(roles), roles)
+
+
 def cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        parse_entries(args.policies, args.peers)
+        entries = parse_entries(args.policies, args.peers)
         envoy.parse_via(args.via)
         if args.nodes < 1 or args.workers % args.nodes:
             raise ValueError(f"--workers {args.workers} must split evenly over --nodes {args.nodes}")
+        check_roles(args, entries)
     except ValueError as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 2
@@ -1120,6 +1305,9 @@ def cli(argv: list[str]) -> int:
     # it from becoming the run's bottleneck.
     with stop_children_on_signals():
         results = uvloop.run(_main(args))
+    table = disagg_lines(results)
+    if table:
+        print("\n".join(table[1:]))
     print(one_line_summary(results, args.out), flush=True)
     return 0
 

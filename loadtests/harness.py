@@ -20,7 +20,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -80,6 +80,11 @@ WORKER_COUNTERS = (
     "sim:computed_prompt_tokens_total",
     "sim:busy_seconds_total",
     "sim:simulated_seconds",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "kvroute_sim:nixl_pulls_total",
+    "kvroute_sim:nixl_pulled_tokens_total",
+    "kvroute_sim:pd_local_prefills_total",
 )
 
 
@@ -506,10 +511,14 @@ class RunOutcome:
     grace_expired: bool
     """Requests were still in flight when the grace period ended (they were cancelled)."""
     client_lag: dict[str, Any] = field(default_factory=dict)
+    itl_gaps_s: list[float] = field(default_factory=list)
+    """With `drive(record_gaps=True)`: every gap between two streamed token events of the
+    measured requests that finished without error, in simulated seconds."""
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, records=[], itl_gaps_s=[]))
         d.pop("records")
+        d.pop("itl_gaps_s")
         return d
 
 
@@ -543,12 +552,16 @@ async def _stream_one(
     scale: float,
     stop_at: list[float],
     reader: StreamReader = chat_event,
+    gaps: list[float] | None = None,
 ) -> None:
+    """Stream one request into `record`; with `gaps`, append the wall seconds between its
+    token events once it has ended without error."""
     loop = asyncio.get_running_loop()
     sent = t0 + record.sent_s * scale
     first: float | None = None
     last: float | None = None
     resp = None
+    mine: list[float] | None = [] if gaps is not None else None
     try:
         resp = await client.post(base_url, path, headers, payload)
         record.status = resp.status
@@ -571,6 +584,8 @@ async def _stream_one(
                 if first is not None and b'"usage"' not in data and b'"error"' not in data:
                     # A token chunk after the first: its arrival time is all we need
                     # (parsing every chunk would make the client the bottleneck).
+                    if mine is not None and last is not None:
+                        mine.append(now - last)
                     last = now
                     continue
                 try:
@@ -581,6 +596,8 @@ async def _stream_one(
                     if first is None:
                         first = now
                         record.ttft_s = (now - sent) / scale
+                    elif mine is not None and last is not None:
+                        mine.append(now - last)
                     last = now
             buf = buf[pos:]
     except asyncio.CancelledError:
@@ -598,6 +615,10 @@ async def _stream_one(
             await resp.aclose()
         if first is not None and last is not None:
             record.decode_s = (last - first) / scale
+    if gaps is not None and mine and record.error is None:
+        # Only a stream that ended: one cut short by the run's end lacks its usage, so its
+        # decode is not in the ITL mean either.
+        gaps.extend(mine)
     if record.ttft_s is None and record.error is None:
         record.error = "stream ended without a token"
 
@@ -609,14 +630,17 @@ async def drive(
     *,
     progress: Progress | None = None,
     api: str = "chat",
+    record_gaps: bool = False,
 ) -> RunOutcome:
     """Play the workload (see `Workload` for the timeline) and return every request's record,
-    sent through `api` (chat, responses or messages: see loadtests/agent_wire.py)."""
+    sent through `api` (chat, responses or messages: see loadtests/agent_wire.py); with
+    `record_gaps`, also the measured requests' inter-token gaps (`RunOutcome.itl_gaps_s`)."""
     path, convert, reader = WIRE[api]
     loop = asyncio.get_running_loop()
     scale = time_scale
     warmup, window_end = workload.warmup_s, workload.window_end_s
     records: list[RequestRecord] = []
+    gaps: list[float] = []
     stop_at = [math.inf]
     state = {"completed": 0, "failed": 0, "started": 0, "in_flight_measured": 0}
     drained = asyncio.Event()
@@ -656,7 +680,8 @@ async def drive(
                     state["in_flight_measured"] += 1
                 try:
                     await _stream_one(
-                        client, base_url, path, orjson.dumps(body), headers, rec, t0, scale, stop_at, reader
+                        client, base_url, path, orjson.dumps(body), headers, rec, t0, scale, stop_at, reader,
+                        gaps if record_gaps and measured else None,
                     )
                 finally:
                     if measured:
@@ -717,6 +742,7 @@ async def drive(
         window_s=workload.window_s,
         grace_expired=grace_expired,
         client_lag=lag.summary(),
+        itl_gaps_s=[g / scale for g in gaps],
     )
 
 

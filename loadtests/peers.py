@@ -10,7 +10,14 @@
 * `vllm-router` (PyPI; vLLM's router, a fork of sglang's), policies `cache_aware` (the same
   text tree; it asks a worker to render the prompt first, `POST /v1/chat/completions/render`)
   and `consistent_hash` (hash of `x-session-id`, then other session headers, then `user`).
-  At start it probes `GET /health` only.
+  At start it probes `GET /health` only. Its policy `pd` (`vllm-router/pd`, never implied
+  by `vllm-router` alone) runs it in its prefill/decode mode on a fleet with roles
+  (`--vllm-pd-disaggregation --kv-connector nixl`, `--prefill URL` and `--decode URL` per
+  worker, its default `cache_aware` policy on both sides). It speaks vLLM's NixlConnector
+  protocol, the one the simulator serves: P gets the body with `max_tokens: 1`,
+  `min_tokens: 1`, `stream: false` and `kv_transfer_params: {do_remote_decode: true, ...}`
+  under an `X-Request-Id` naming both workers; D gets the client's body with P's returned
+  `kv_transfer_params`. It splits every request (no local prefill on D).
 
 Neither canonicalizes a request: tool schemas, argument strings and system prompts reach
 the worker in the client's bytes (both re-serialise the JSON, preserving key order).
@@ -46,14 +53,19 @@ class PeerSpec:
     policies: tuple[str, ...]
     """Policies the bench runs; the first is the one `NAME` alone means."""
     log_level: str
+    pd: bool = False
+    """Whether it has a prefill/decode mode the bench runs as policy `pd`."""
 
 
 PEERS: dict[str, PeerSpec] = {
     "sglang-router": PeerSpec("sglang-router", "sglang-router", "0.3.2", "smg", ("launch",), ("cache_aware",), "warn"),
     "vllm-router": PeerSpec(
-        "vllm-router", "vllm-router", "0.1.17", "vllm-router", (), ("cache_aware", "consistent_hash"), "warning"
+        "vllm-router", "vllm-router", "0.1.17", "vllm-router", (), ("cache_aware", "consistent_hash"), "warning", pd=True
     ),
 }
+PD_POLICY = "pd"
+PD_ROUTING_POLICY = "cache_aware"
+"""The policy a peer in prefill/decode mode picks P and D with (vllm-router's default)."""
 
 # Variables that would send a peer's traffic (or its tokenizer download) anywhere else.
 _SCRUB_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "HF_TOKEN")
@@ -71,8 +83,9 @@ def parse_peer(item: str) -> list[tuple[str, str]]:
     spec = PEERS[name]
     if not policy:
         return [(name, p) for p in spec.policies]
-    if policy not in spec.policies:
-        raise ValueError(f"{name}: the bench runs policies {', '.join(spec.policies)}, not {policy!r}")
+    known = (*spec.policies, PD_POLICY) if spec.pd else spec.policies
+    if policy not in known:
+        raise ValueError(f"{name}: the bench runs policies {', '.join(known)}, not {policy!r}")
     return [(name, policy)]
 
 
@@ -107,16 +120,41 @@ def ensure_installed(name: str, log: list[str] | None = None) -> Path:
     return exe
 
 
-def peer_command(name: str, policy: str, exe: Path, worker_urls: list[str], port: int, metrics_port: int) -> list[str]:
+def peer_command(
+    name: str,
+    policy: str,
+    exe: Path,
+    worker_urls: list[str],
+    port: int,
+    metrics_port: int,
+    roles: list[str] | None = None,
+) -> list[str]:
+    """The peer's command line; for policy `pd`, `roles` gives each worker's role (in
+    `worker_urls` order)."""
     spec = PEERS[name]
+    workers = ["--worker-urls", *worker_urls, "--policy", policy]
+    if policy == PD_POLICY:
+        workers = pd_worker_args(worker_urls, roles)
     return [
         str(exe), *spec.subcommand,
         "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *worker_urls,
-        "--policy", policy,
+        *workers,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--log-level", spec.log_level,
     ]  # fmt: skip
+
+
+def pd_worker_args(worker_urls: list[str], roles: list[str] | None) -> list[str]:
+    """vllm-router's prefill/decode flags: `--prefill URL` and `--decode URL` per worker.
+    A worker of role `both` has no place there (it would be two workers to the router)."""
+    if roles is None or len(roles) != len(worker_urls):
+        raise ValueError("a peer in prefill/decode mode needs one role per worker")
+    if "both" in roles or "prefill" not in roles or "decode" not in roles:
+        raise ValueError(f"a peer in prefill/decode mode needs prefill and decode workers only, not {roles}")
+    args = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", PD_ROUTING_POLICY]
+    for url, role in zip(worker_urls, roles, strict=True):
+        args += ["--prefill", url] if role == "prefill" else ["--decode", url]
+    return args
 
 
 def peer_env() -> dict[str, str]:
@@ -139,10 +177,13 @@ class PeerRouter:
         log_path: str | None = None,
         model: str = MODEL,
         ready_timeout_s: float = 90.0,
+        roles: list[str] | None = None,
     ) -> None:
         self.name = name
         self.policy = policy
         self.worker_urls = worker_urls
+        self.roles = roles
+        """Each worker's role, for policy `pd`."""
         self.log_path = log_path
         self.model = model
         self.ready_timeout_s = ready_timeout_s
@@ -158,7 +199,7 @@ class PeerRouter:
 
     def start(self) -> PeerRouter:
         exe = ensure_installed(self.name)
-        cmd = peer_command(self.name, self.policy, exe, self.worker_urls, self.port, self.metrics_port)
+        cmd = peer_command(self.name, self.policy, exe, self.worker_urls, self.port, self.metrics_port, self.roles)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = spawn(cmd, env=peer_env(), stdout=out, stderr=out)
         try:
