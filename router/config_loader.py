@@ -29,7 +29,7 @@ import orjson
 from cache_client.kv_events import CpuMedium
 from router.config import RouterConfig
 from router.policies import POLICIES
-from router.policies.disagg import SPLITS
+from router.policies.disagg import CONNECTORS, SPLITS
 from router.workers import WorkerSpec, check_role, parse_worker_arg
 
 ENV_PREFIX = "KVROUTE_"
@@ -95,7 +95,7 @@ FLAT_KEYS: dict[str, Slot] = {
     **_prefixed("epp", "epp_", "tls_cert_file", "tls_key_file", "self_signed_tls"),
     **_same("tracing", "otlp_endpoint", "otlp_protocol"),
     **_prefixed("tracing", "trace_", "sample_ratio", "service_name"),
-    **_prefixed("disagg", "pd_", "itl_budget_ms", "link_gbps", "hold_timeout_s", "split"),
+    **_prefixed("disagg", "pd_", "itl_budget_ms", "link_gbps", "hold_timeout_s", "split", "connector"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
 
@@ -145,6 +145,9 @@ HELP = {
     "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT); older params are not sent to a decode worker",
     "pd_split": "disaggregated fleets: auto (split a request only where the cost model says it pays) or "
     "always (every request a prefill worker can take, as vLLM's own proxy does)",
+    "pd_connector": "disaggregated fleets: how the workers' KV connector hands P's KV to D: nixl (vLLM's "
+    "NixlConnector: P's answer carries kv_transfer_params for D) or shared-storage (a directory every worker "
+    "reads, keyed by the prompt's tokens, as vLLM's ExampleConnector: no params; D gets the client's own body)",
     "pool_capacity_tokens": "each node's workers share an LMCache CPU pool of this many tokens (0: no pool)",
     "disk_capacity_tokens": "each node's LMCache server keeps a disk tier of this many tokens (0: none)",
     "remote_capacity_tokens": "a remote tier every node reads over the network (LMCache's remote backend) "
@@ -254,6 +257,8 @@ def build_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, choices=("on", "off"), help=help_)
         elif name == "pd_split":
             parser.add_argument(flag, dest=name, choices=SPLITS, help=help_)
+        elif name == "pd_connector":
+            parser.add_argument(flag, dest=name, choices=CONNECTORS, help=help_)
         else:
             parser.add_argument(flag, dest=name, type=kind, help=help_)
     return parser

@@ -17,7 +17,12 @@
 # but a few seconds of it the VLM worker's start), tracing (the workers run with
 # --otlp-traces-endpoint at the harness's OTLP receiver; a request with a client traceparent
 # through kvroute, and one retried after a failing worker: vLLM's llm_request span is a child
-# of kvroute's attempt span under the client's trace id; ~4 s). The TTFT
+# of kvroute's attempt span under the client's trace id; ~4 s), pd (a prefill/decode split:
+# two workers of its own on vLLM's example KV connector over one temporary directory, P a
+# kv_producer and D a kv_consumer, kvroute with --role flags, --pd-connector shared-storage
+# and --pd-split always; a multi-turn chat through it: every answer a 200 from D with route
+# reason pd, P given every prompt, and D's external prefix-cache hits exactly what the
+# connector loads of what P wrote; ~40 s, most of it the two workers' start). The TTFT
 # comparison with random is a benchmark, not a check:
 #   python -m loadtests.vllm_e2e.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
 # The tiny model runs in bfloat16 on CPUs with AVX-512 BF16 or AMX, in float32 elsewhere
@@ -43,7 +48,7 @@ if ! "$PY" -c "import tokenizers, jinja2" 2>/dev/null; then
 fi
 status=0
 # KVROUTE_E2E_ARGS: extra run_e2e.py arguments (e.g. --skip-reuse or --skip-nodes for a
-# quicker run, --only-nodes or --only-vlm for phase `nodes` or `vlm` alone).
+# quicker run, --only-nodes, --only-vlm or --only-pd for phase `nodes`, `vlm` or `pd` alone).
 # shellcheck disable=SC2086
 "$PY" -m loadtests.vllm_e2e.run_e2e --venv "$VENV" --model "$MODEL" --vlm-model "$VLM" --vlm-site "$VLM_SITE" \
     --out "$REPORT" ${KVROUTE_E2E_ARGS:-} || status=$?
@@ -52,7 +57,7 @@ echo "vllm_e2e: finished in $(( $(date +%s) - START ))s, report $REPORT"
 "$PY" - "$REPORT" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-names = ("exactness", "agent", "tracing", "reuse", "a", "c", "nodes", "vlm")
+names = ("exactness", "agent", "tracing", "reuse", "a", "c", "nodes", "vlm", "pd")
 passed = sum(1 for k in names if isinstance(r.get(k), dict) and r[k].get("ok"))
 print(f"{passed} passed, {len(names) - passed} failed; phases (s): {r.get('phase_s')}, startup {r.get('startup_s')} s, "
       f"dtype {r.get('dtype')}")

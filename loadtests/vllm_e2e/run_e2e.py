@@ -30,6 +30,11 @@ vlm. images: a worker of its own serving a tiny Qwen2-VL (build_vlm.py; `--only-
    conversations of several image sizes over several turns: the router's predicted prompt
    tokens within 10% of the engine's `usage.prompt_tokens` on every request, its predicted
    cached tokens within 10% of the engine's cached tokens over the run (`phase_vlm`).
+pd. a prefill/decode split on vLLM's example KV connector (a shared directory; the CPU
+   backend has no NIXL): two workers of its own, P and D, and a router with `--role` flags and
+   `--pd-connector shared-storage`; over a multi-turn chat every answer comes from D with route
+   reason `pd`, and D's external prefix-cache hits are exactly what the connector loads of
+   what P wrote (pd_phase.py; `--only-pd` starts nothing else).
 
 And one benchmark, timed, hence no check (`--ttft-benchmark`):
 
@@ -1238,7 +1243,7 @@ def phase_vlm(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": str(args.vlm_model), "startup_s": startup_s, "requests_s": requests_s, **vlm_verdict(rows)}
 
 
-CHECKS = ("exactness", "agent", "tracing", "reuse", "a", "c", "nodes", "vlm")
+CHECKS = ("exactness", "agent", "tracing", "reuse", "a", "c", "nodes", "vlm", "pd")
 """The report's pass/fail sections; `b` (--ttft-benchmark) is a measurement, not one of them."""
 
 
@@ -1273,6 +1278,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-vlm", action="store_true", help="leave out phase `vlm` (images on the tiny Qwen2-VL)")
     ap.add_argument("--only-vlm", action="store_true",
                     help="only phase `vlm`: no text fleet, no LMCache server")
+    ap.add_argument("--skip-pd", action="store_true",
+                    help="leave out phase `pd` (a prefill/decode split over the example connector's directory)")
+    ap.add_argument("--only-pd", action="store_true", help="only phase `pd`: no text fleet, no LMCache server")
     ap.add_argument("--vlm-model", type=Path,
                     default=Path(os.environ.get("KVROUTE_TINY_VLM", Path.home() / ".cache" / "kvroute" / "tiny-qwen2-vl")),
                     help="the tiny Qwen2-VL of phase `vlm` (setup_env.sh builds it and prints VLM=...)")
@@ -1289,6 +1297,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.vlm_site = args.venv / "vlm-site"
     if args.only_vlm and args.skip_vlm:
         ap.error("--only-vlm and --skip-vlm exclude each other")
+    if args.only_pd and (args.skip_pd or args.only_vlm or args.only_nodes):
+        ap.error("--only-pd excludes --skip-pd, --only-vlm and --only-nodes")
     return args
 
 
@@ -1330,11 +1340,20 @@ def run_phases(stack: Stack, args: argparse.Namespace, report: dict[str, Any]) -
     if not args.skip_vlm and not args.only_nodes:
         # Its own worker and router: the text fleet stays up, idle, meanwhile.
         phases.append(("vlm", lambda: phase_vlm(stack, args)))
+    if not args.skip_pd and not args.only_nodes:
+        # Its own two workers, router and KV directory: the text fleet stays up, idle.
+        from loadtests.vllm_e2e.pd_phase import phase_pd
+
+        phases.append(("pd", lambda: phase_pd(stack)))
     if not args.skip_nodes:
         # Last: it moves w2 onto a second LMCache server, which the phases above must not see.
         phases.append(("nodes", lambda: phase_nodes(stack, args)))
     if args.only_vlm:
         phases = [("vlm", lambda: phase_vlm(stack, args))]
+    if args.only_pd:
+        from loadtests.vllm_e2e.pd_phase import phase_pd
+
+        phases = [("pd", lambda: phase_pd(stack))]
     report["phase_s"] = {}
     for name, phase in phases:
         t0 = time.monotonic()
@@ -1361,14 +1380,14 @@ def main(argv: list[str] | None = None) -> int:
     # the report is written, and the exit status is 128 + the signal.
     with stop_children_on_signals(), contextlib.ExitStack() as exits:
         try:
-            if not (args.skip_tracing or args.only_vlm or args.only_nodes):
+            if not (args.skip_tracing or args.only_vlm or args.only_nodes or args.only_pd):
                 # Before the fleet: the workers start exporting their spans to it.
                 from loadtests.otlp import OtlpReceiver
                 from loadtests.vllm_e2e.tracing_phase import worker_tracing
 
                 stack.trace_receiver = exits.enter_context(OtlpReceiver("grpc"))
                 worker_tracing(stack, stack.trace_receiver)
-            if not args.only_vlm:  # phase `vlm` starts its own worker
+            if not (args.only_vlm or args.only_pd):  # phases `vlm` and `pd` start their own workers
                 start_fleet(stack, two_nodes=args.only_nodes and not args.skip_nodes)
                 report["startup_s"] = round(time.monotonic() - t_start, 1)
                 report["versions"] = {"vllm": httpx.get(stack.workers[0].url + "/version").json().get("version")}

@@ -57,10 +57,17 @@ class DisaggSettings:
     split: str = "auto"
     """auto: split where the cost model says it pays (module docstring); always: split every
     request a prefill worker can take (as vLLM's proxy does: a baseline for benchmarks)."""
+    connector: str = "nixl"
+    """How P's KV reaches D. nixl: vLLM's NixlConnector, P's answer carries the
+    `kv_transfer_params` D reads the blocks by; shared-storage: a connector that writes the
+    prompt's KV to storage every worker reads, keyed by its tokens (vLLM's ExampleConnector),
+    so P's answer carries no params and D gets the client's own body."""
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise ValueError(f"pd_split must be one of {', '.join(SPLITS)}, not {self.split!r}")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"pd_connector must be one of {', '.join(CONNECTORS)}, not {self.connector!r}")
         if self.itl_budget_ms < 0:
             raise ValueError(f"pd_itl_budget_ms must be >= 0, not {self.itl_budget_ms}")
         if self.link_gbps <= 0 or self.hold_timeout_s <= 0:
@@ -73,6 +80,8 @@ class DisaggSettings:
 
 
 SPLITS = ("auto", "always")
+NIXL, SHARED_STORAGE = "nixl", "shared-storage"
+CONNECTORS = (NIXL, SHARED_STORAGE)
 
 
 class PdPricing(NamedTuple):

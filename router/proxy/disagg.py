@@ -30,6 +30,12 @@ Faults, each leaving no blocks held on P:
 Usage: D reports as cached every prompt token it did not compute (its own hit and the
 pulled ones); the client gets, as an aggregated engine reports, the tokens the fleet did not
 recompute: P's own cached count (`UsageRewrite`).
+
+With `connector: shared-storage` (a connector that writes the prompt's KV to storage every
+worker reads, keyed by the prompt's tokens: vLLM's ExampleConnector) nothing is held and
+nothing is handed over: P gets the one-token body without `kv_transfer_params`, its 200
+answer (which carries none) means the KV is stored (`stored`), and D gets the client's own
+body and loads the stored prefix by the prompt's tokens. A retried D loads it as well.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import orjson
 
 from cache_client.redact import exc_summary
 from router.breaker import CLOSED
-from router.policies.disagg import PD, PD_LOCAL, DisaggSettings, PdPricing
+from router.policies.disagg import NIXL, PD, PD_LOCAL, SHARED_STORAGE, DisaggSettings, PdPricing
 from router.proxy.attempt import RETRYABLE_STATUS, AttemptFailed
 from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError
 from router.routing import PdPlan
@@ -69,10 +75,12 @@ _DROPPED_ON_PREFILL = ("stream_options", "min_tokens")
 _REQUEST_ID = b"x-request-id"
 
 
-def prefill_body(body: dict[str, Any], kind: str | None) -> dict[str, Any]:
-    """The request as P gets it: one token, whole, asking P to hold its KV for a decoder."""
+def prefill_body(body: dict[str, Any], kind: str | None, connector: str = NIXL) -> dict[str, Any]:
+    """The request as P gets it: one token, whole, asking P to hold its KV for a decoder
+    (NIXL); a shared-storage connector stores every prompt's KV unasked."""
     out = {k: v for k, v in body.items() if k not in _DROPPED_ON_PREFILL}
-    out["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    if connector == NIXL:
+        out["kv_transfer_params"] = dict(PREFILL_PARAMS)
     out["stream"] = False
     if kind == "responses":
         out["max_output_tokens"] = 1
@@ -179,7 +187,8 @@ class PdState:
     local: bool = False
     """D prefills what it lacks: decided so, or no prefill worker gave params."""
     params: dict[str, Any] | None = None
-    """P's params while P holds the blocks for this request."""
+    """P's params while P holds the blocks for this request; empty when P stored the KV
+    where every decode worker reads it (shared-storage: nothing to hand over)."""
     held_at: float = 0.0
     prefill_cached: int | None = None
     delivered: bool = False
@@ -199,7 +208,8 @@ class PdFlow:
         self.prefills = metrics.counter(
             "kvroute_pd_prefills_total",
             "Requests sent to a prefill worker, by worker and outcome (held: it answered with KV transfer "
-            "params; no_params: it answered without; rejected: a 4xx; failed: no answer).",
+            "params; stored: it answered, its KV in the shared storage (pd_connector shared-storage); "
+            "no_params: it answered without params; rejected: a 4xx; failed: no answer).",
             ("worker", "outcome"),
         )
         self.fallbacks = metrics.counter(
@@ -242,7 +252,8 @@ class PdFlow:
         if st.local or st.params is None:
             ex.payload, ex.send = st.payload, st.send
             return (PD_LOCAL if first else "retry"), self._local_prefill_s(choice, worker)
-        ex.payload = orjson.dumps(decode_body(ex.body, st.params))
+        # Shared storage: D loads the KV by the prompt's tokens, so it gets the client's bytes.
+        ex.payload = orjson.dumps(decode_body(ex.body, st.params)) if st.params else st.payload
         ex.send = UsageRewrite(st.send, st.prefill_cached) if st.prefill_cached is not None else st.send
         st.delivered = True
         return (PD if first else "retry"), plan.transfer_s + self.proxy.cost.step_s
@@ -271,7 +282,7 @@ class PdFlow:
         """Every end path: params no decode attempt was sent are read by a decoder in the
         background, so that P frees the blocks now rather than at its timeout."""
         st = ex.pd
-        if st is None or st.params is None or st.delivered or self._expired(st):
+        if st is None or not st.params or st.delivered or self._expired(st):
             return
         params, st.params = st.params, None
         self.fallbacks.inc("released")
@@ -280,6 +291,8 @@ class PdFlow:
         task.add_done_callback(self._background.discard)
 
     def _expired(self, st: PdState) -> bool:
+        if self.settings.connector == SHARED_STORAGE:
+            return False  # the storage keeps what P wrote: no hold runs out
         return time.monotonic() - st.held_at > self.settings.hold_timeout_s * 0.9
 
     # -- the prefill worker ---------------------------------------------------------------
@@ -287,7 +300,7 @@ class PdFlow:
         """P's params for this request, from the plan's prefill workers in order: True once
         one holds the blocks; False for a local prefill on D."""
         proxy = self.proxy
-        payload = orjson.dumps(prefill_body(ex.body, ex.kind))
+        payload = orjson.dumps(prefill_body(ex.body, ex.kind, self.settings.connector))
         for name in (st.plan.prefill_worker, *st.plan.prefill_ranking):
             if name is None or len(st.prefill_tried) >= proxy.settings.max_attempts:
                 break
@@ -299,7 +312,7 @@ class PdFlow:
             st.prefill_tried.add(name)
             outcome = await self._traced_prefill_on(ex, st, worker, payload)
             self.prefills.inc(name, outcome)
-            if outcome == "held":
+            if outcome in ("held", "stored"):
                 return True
             if outcome != "failed":
                 self.fallbacks.inc("no_params" if outcome == "no_params" else "prefill_rejected")
@@ -365,16 +378,20 @@ class PdFlow:
         return self._held(st, body)
 
     def _held(self, st: PdState, body: bytes) -> str:
+        """P's 200 answer read: held (NIXL params in hand), stored (shared storage) or no_params."""
         try:
             answer = orjson.loads(body)
         except orjson.JSONDecodeError:
             return "no_params"
-        params = answer_params(answer) if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            return "no_params"
+        shared = self.settings.connector == SHARED_STORAGE
+        params = {} if shared else answer_params(answer)
         if params is None:
             return "no_params"
         st.params, st.held_at, st.delivered = params, time.monotonic(), False
         st.prefill_cached = reported_cached(answer)
-        return "held"
+        return "stored" if shared else "held"
 
     async def _prefill_failed(self, worker: Worker, why: str, connect: bool) -> str:
         worker.breaker.failure(why)

@@ -148,6 +148,26 @@ def test_a_stored_response_continues_on_its_decode_worker(split: RouterProcess) 
     assert follow.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
 
 
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_shared_storage_split_hands_nothing_over(cluster: SimCluster, api: str) -> None:
+    """`--pd-connector shared-storage`: P stores the KV where D loads it by the prompt's
+    tokens, so P is asked to hold nothing and its answer without params is the split's
+    success; D gets the client's own body. (The simulator has no shared storage: D prefills.)"""
+    holds = sum(nixl(cluster, p)["holds"] for p in PREFILL)
+    pulls = sum(nixl(cluster, d)["pulls"] for d in DECODE)
+    with router(cluster, "--pd-split", "always", "--pd-connector", "shared-storage") as r:
+        for stream in (False, True):
+            resp = send(r, api, stream)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvroute-route-reason"] == "pd" and resp.headers["x-kvroute-worker"] in DECODE
+        assert metric(r, "kvroute_pd_prefills_total", outcome="stored") == 2
+        assert metric(r, "kvroute_pd_prefills_total") == 2
+        assert metric(r, "kvroute_pd_fallbacks_total") == 0
+    assert sum(nixl(cluster, p)["holds"] for p in PREFILL) == holds
+    assert sum(nixl(cluster, d)["pulls"] for d in DECODE) == pulls
+    assert held(cluster) == 0
+
+
 # -- the decision ----------------------------------------------------------------------------------
 
 

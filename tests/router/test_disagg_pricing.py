@@ -12,7 +12,16 @@ from normalizer.prefix import PrefixChain
 from router.config_loader import flat_config, load_config
 from router.cost import CostModel
 from router.policies.cache_aware import CacheAwarePolicy
-from router.policies.disagg import PD, PD_LOCAL, DisaggSettings, PdPricing, choose_pd, roles_split
+from router.policies.disagg import (
+    NIXL,
+    PD,
+    PD_LOCAL,
+    SHARED_STORAGE,
+    DisaggSettings,
+    PdPricing,
+    choose_pd,
+    roles_split,
+)
 from router.proxy.disagg import (
     PREFILL_PARAMS,
     answer_params,
@@ -124,6 +133,15 @@ def test_decode_body_is_the_clients_with_ps_params() -> None:
     assert answer_params({"kv_transfer_params": None}) is None and answer_params({}) is None
 
 
+def test_a_shared_storage_prefill_asks_for_no_hold() -> None:
+    """The connector stores every prompt's KV by its tokens: P gets no params to answer."""
+    chat = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 100}
+    out = prefill_body(chat, "chat", SHARED_STORAGE)
+    assert "kv_transfer_params" not in out and "stream_options" not in out
+    assert out["stream"] is False and out["max_tokens"] == 1
+    assert prefill_body(chat, "chat", NIXL) == prefill_body(chat, "chat")
+
+
 def test_usage_rewrite_in_every_apis_shape() -> None:
     chat = orjson.dumps({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 99}}, "t": 'say "cached_tokens":5'})
     assert orjson.loads(rewrite_usage(chat, 32))["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
@@ -151,6 +169,21 @@ def test_roles_from_flags_environment_and_yaml(tmp_path) -> None:
     for bad in (["--role", "a=gpu"], ["--role", "nameless"]):
         with pytest.raises(SystemExit):
             load_config(bad, {})
+
+
+def test_the_pd_connector_from_flag_environment_and_yaml(tmp_path) -> None:
+    assert load_config([], {}).disagg.connector == NIXL
+    assert load_config(["--pd-connector", "shared-storage"], {}).disagg.connector == SHARED_STORAGE
+    assert load_config([], {"KVROUTE_PD_CONNECTOR": "shared-storage"}).disagg.connector == SHARED_STORAGE
+    path = tmp_path / "k.yaml"
+    path.write_text("disagg: {connector: shared-storage}\n")
+    assert load_config(["--config", str(path)], {}).disagg.connector == SHARED_STORAGE
+    with pytest.raises(SystemExit):
+        load_config(["--pd-connector", "lmcache"], {})
+    with pytest.raises(SystemExit):
+        load_config([], {"KVROUTE_PD_CONNECTOR": "nfs"})
+    with pytest.raises(ValueError, match="pd_connector must be one of nixl, shared-storage, not 'nfs'"):
+        DisaggSettings(connector="nfs")
 
 
 def test_a_fleet_without_roles_is_aggregated() -> None:
