@@ -53,25 +53,11 @@ def connector_config(role: str, directory: Path) -> str:
 
 def start_pd_worker(stack: Stack, name: str, core: int, role: str, directory: Path) -> tuple[Proc, str]:
     """A vLLM worker on the shared-directory connector, pinned to `core`; not waited for."""
-    from loadtests.vllm_e2e.run_e2e import (
-        BLOCK,
-        EAGER_FLAGS,
-        MODEL_NAME,
-        WORKER_BLOCKS,
-        free_port,
-        start,
-    )
+    from loadtests.vllm_e2e.run_e2e import MODEL_NAME, WORKER_BLOCKS, free_port, start, vllm_command
 
     port = free_port()
-    cmd = [
-        "taskset", "-c", str(core),
-        str(stack.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(stack.model), "--served-model-name", MODEL_NAME, "--load-format", "dummy",
-        "--dtype", stack.dtype, "--max-model-len", "8192", "--block-size", str(BLOCK),
-        "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
-        "--kv-transfer-config", connector_config(role, directory), *EAGER_FLAGS,
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
+    flags = ["--kv-transfer-config", connector_config(role, directory)]
+    cmd = vllm_command(stack.venv, stack.model, MODEL_NAME, stack.dtype, str(core), WORKER_BLOCKS, port, flags)
     env = {**stack.env(), "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1"}
     return start(name, cmd, stack.logdir, env), f"http://127.0.0.1:{port}"
 

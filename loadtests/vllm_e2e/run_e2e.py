@@ -70,6 +70,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,21 @@ def _ephemeral_low() -> int:
             return int(fh.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+def vllm_command(
+    venv: Path, model: Path, name: str, dtype: str, cores: str, blocks: int, port: int, flags: Sequence[str]
+) -> list[str]:
+    """A vLLM CPU worker serving `model` (dummy weights) as `name` on `port`, pinned to
+    `cores`, with prefix caching, eager mode and `flags`."""
+    return [
+        "taskset", "-c", cores,
+        str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", name, "--load-format", "dummy",
+        "--dtype", dtype, "--max-model-len", "8192", "--block-size", str(BLOCK),
+        "--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching", "--seed", "0",
+        *flags, *EAGER_FLAGS, "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
 
 
 def free_port() -> int:
@@ -327,16 +343,11 @@ class Stack:
                 "lmcache.mp.mp_transfer_mode": "lmcache_driven",
             },
         }
-        cmd = [
-            "taskset", "-c", str(core),
-            str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model), "--served-model-name", MODEL_NAME, "--load-format", "dummy",
-            "--dtype", self.dtype, "--max-model-len", "8192", "--block-size", str(BLOCK),
-            "--num-gpu-blocks-override", str(WORKER_BLOCKS), "--enable-prefix-caching", "--seed", "0",
+        flags = [
             "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(connector),
-            *AGENT_API_FLAGS, *EAGER_FLAGS, *self.worker_args,
-            "--host", "127.0.0.1", "--port", str(w.port),
-        ]
+            *AGENT_API_FLAGS, *self.worker_args,
+        ]  # fmt: skip
+        cmd = vllm_command(self.venv, self.model, MODEL_NAME, self.dtype, str(core), WORKER_BLOCKS, w.port, flags)
         env = {**self.env(), **AGENT_API_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
                **self.worker_env}
         log = name if pool is self.pools[0] else f"{name}@{pool.name}"
@@ -1127,15 +1138,8 @@ def start_vlm_worker(stack: Stack, model: Path, site: Path) -> Worker:
     imports (setup_env.sh). Not waited for."""
     w = Worker("vlm", free_port(), 0, 0)
     cores = f"0-{max((os.cpu_count() or 1) - 1, 0)}"
-    cmd = [
-        "taskset", "-c", cores,
-        str(stack.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", VLM_NAME, "--load-format", "dummy",
-        "--dtype", stack.dtype, "--max-model-len", "8192", "--block-size", str(BLOCK),
-        "--num-gpu-blocks-override", str(VLM_BLOCKS), "--enable-prefix-caching", "--seed", "0",
-        "--limit-mm-per-prompt", json.dumps(VLM_LIMIT_MM), "--enable-prompt-tokens-details",
-        *EAGER_FLAGS, "--host", "127.0.0.1", "--port", str(w.port),
-    ]
+    flags = ["--limit-mm-per-prompt", json.dumps(VLM_LIMIT_MM), "--enable-prompt-tokens-details"]
+    cmd = vllm_command(stack.venv, model, VLM_NAME, stack.dtype, cores, VLM_BLOCKS, w.port, flags)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = {**stack.env(), "PYTHONPATH": path, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1"}
     w.proc = start("vlm", cmd, stack.logdir, env)
