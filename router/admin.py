@@ -269,8 +269,7 @@ def _pd(plan: PdPlan, default: CostModel) -> dict[str, Any]:
         "pull_tokens": plan.pull_tokens,
         "transfer_s": plan.transfer_s,
         "running_decodes": plan.running_decodes,
-        # The stall a local prefill adds to each running decode's inter-token gap, against the budget.
-        "local_itl_stall_s": plan.local_prefill_s if plan.running_decodes else 0.0,
+        "local_itl_stall_s": plan.local_stall_s,
         "itl_budget_s": plan.itl_budget_s,
         "prefill_candidates": [_priced(score, default) for score in plan.prefill_scores],
     }

@@ -105,6 +105,12 @@ class PdPlan:
     """The policy's own reason for D (gpu_hit, miss, overload, ...)."""
     prefill_scores: tuple[CandidateScore, ...] = ()
 
+    @property
+    def local_stall_s(self) -> float:
+        """The stall a local prefill adds to the inter-token gaps of D's running decodes
+        (none running: nobody is stalled)."""
+        return self.local_prefill_s if self.running_decodes else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:

@@ -312,6 +312,14 @@ class AttemptTrace:
         relay.end()
         self.relay = None
 
+    def prefilled(self, outcome: str) -> None:
+        """A prefill try's span (`Tracer.prefill`) ends: held, stored, no_params, rejected,
+        failed (an error) or cancelled."""
+        self.span.set_attribute("kvroute.prefill.outcome", outcome)
+        if outcome == "failed":
+            self.span.set_status(self.tracer._error)
+        self.span.end()
+
     def close(self, ex: Exchange) -> None:
         """The attempt is over: a relay not ended explicitly ended with the request."""
         if self.relay is not None:

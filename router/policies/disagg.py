@@ -133,7 +133,6 @@ def choose_pd(
     pull = max(request.chain.total_tokens - d_gpu, 0)
     transfer = pull * pricing.transfer_s_per_token
     pd_ttft = p_ttft + transfer + d_load.inflight * d_cost.inflight_penalty_s + d_cost.step_s
-    stall = local_prefill if running else 0.0
     plan = replace(
         plan, prefill_worker=p.worker, prefill_ranking=p.ranking, prefill_s=p_prefill, pd_ttft_s=pd_ttft,
         transfer_s=transfer, pull_tokens=pull, prefill_scores=p.scores,
@@ -142,7 +141,7 @@ def choose_pd(
         return _decided(d, replace(plan, mode=PD, why="every request is split (pd_split: always)"), transfer + d_cost.step_s)
     if local_ttft > pd_ttft:
         return _decided(d, replace(plan, mode=PD, why="the split answers sooner"), transfer + d_cost.step_s)
-    if stall > pricing.itl_budget_s:
+    if plan.local_stall_s > pricing.itl_budget_s:
         why = "a local prefill would stall the decode worker's streams beyond the inter-token budget"
         return _decided(d, replace(plan, mode=PD, why=why), transfer + d_cost.step_s)
     why = "no running decodes to stall" if not running else "the local prefill fits in the inter-token budget"

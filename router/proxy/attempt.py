@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from router.breaker import CLOSED
-from router.proxy.exchange import Exchange
+from router.proxy.exchange import Exchange, with_credential
 from router.proxy.fair import Flow
 from router.proxy.relay import relay_stream, response_headers, send_whole
 from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError, UpstreamResponse
@@ -236,9 +236,6 @@ class Attempt:
                 await self.upstream.aclose()
 
     def _headers(self, ex: Exchange) -> Headers:
-        """The request's headers for this worker: with its own credential, if it has one."""
-        api_key = self.worker.api_key
+        """The request's headers for this worker: its trace context, its own credential."""
         headers = ex.headers if self.trace is None else self.trace.headers(ex.headers)
-        if api_key and not self.proxy.settings.forward_client_auth:
-            return [*headers, (b"authorization", b"Bearer " + api_key.encode())]
-        return headers
+        return with_credential(headers, self.worker.api_key, self.proxy.settings.forward_client_auth)

@@ -45,7 +45,6 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +54,7 @@ from cache_client.redact import exc_summary
 from router.breaker import CLOSED
 from router.policies.disagg import NIXL, PD, PD_LOCAL, SHARED_STORAGE, DisaggSettings, PdPricing
 from router.proxy.attempt import RETRYABLE_STATUS, AttemptFailed
+from router.proxy.exchange import with_credential
 from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError
 from router.routing import PdPlan
 from router.workers import PREFILL, Worker
@@ -264,6 +264,10 @@ class PdFlow:
         plan = choice.decision.pd
         if plan is not None and worker.name == choice.decision.worker:
             return plan.local_prefill_s
+        return self._whole_prefill_s(worker, choice)
+
+    def _whole_prefill_s(self, worker: Worker, choice: Routed) -> float:
+        """The whole prompt's prefill at `worker`'s costs (a worker the plan did not price)."""
         cost = self.proxy.loads.costs.get(worker.name) or self.proxy.cost
         return cost.prefill_s(0, choice.chain.total_tokens)
 
@@ -321,39 +325,32 @@ class PdFlow:
         return False
 
     async def _traced_prefill_on(self, ex: Exchange, st: PdState, worker: Worker, payload: bytes) -> str:
-        """`_prefill_on`, in a `kvroute.prefill` span when the request is traced."""
+        """`_prefill_on`, in a `kvroute.prefill` span whose context P gets when the request
+        is traced."""
         tracer = self.proxy.tracer
         trace = tracer.prefill(worker.name) if tracer is not None else None
         if trace is None:
-            return await self._prefill_on(ex, st, worker, payload)
+            return await self._prefill_on(ex, st, worker, payload, ex.headers)
         outcome = "cancelled"
         try:
-            outcome = await self._prefill_on(ex, st, worker, payload, trace.headers)
+            outcome = await self._prefill_on(ex, st, worker, payload, trace.headers(ex.headers))
             return outcome
         finally:
-            trace.span.set_attribute("kvroute.prefill.outcome", outcome)
-            if outcome == "failed":
-                trace.span.set_status(trace.tracer._error)
-            trace.span.end()
+            trace.prefilled(outcome)
 
-    async def _prefill_on(
-        self, ex: Exchange, st: PdState, worker: Worker, payload: bytes,
-        traced: Callable[[Headers], Headers] | None = None,
-    ) -> str:
+    async def _prefill_on(self, ex: Exchange, st: PdState, worker: Worker, payload: bytes, headers: Headers) -> str:
         """One prefill try: held, no_params, rejected or failed. Its prefill is queued on
-        the worker's load like any request's until it answers. `traced` adds the trace
-        context to the worker's headers."""
+        the worker's load like any request's until it answers."""
         proxy = self.proxy
         probing = worker.breaker.state is not CLOSED
         prefill_s = st.plan.prefill_s
         if worker.name != st.plan.prefill_worker and ex.choice is not None:
-            prefill_s = (proxy.loads.costs.get(worker.name) or proxy.cost).prefill_s(0, ex.choice.chain.total_tokens)
+            prefill_s = self._whole_prefill_s(worker, ex.choice)
         ticket = proxy.loads.acquire(worker.name, prefill_s)
         s = proxy.settings
-        headers = _headers(ex, worker, s.forward_client_auth)
         try:
             status, body = await asyncio.wait_for(
-                self._exchange(worker, ex.scope["path"], traced(headers) if traced else headers, payload),
+                self._exchange(worker, ex.scope["path"], with_credential(headers, worker.api_key, s.forward_client_auth), payload),
                 s.total_timeout_s or s.first_byte_timeout_s,
             )
         except (asyncio.TimeoutError, UpstreamError) as exc:
@@ -417,13 +414,14 @@ class PdFlow:
         body = decode_body(prefill_body(ex.body, ex.kind), params)
         payload = orjson.dumps(body)
         order = [ex.choice.decision.worker, *ex.choice.decision.ranking] if ex.choice is not None else []
+        auth = proxy.settings.forward_client_auth
         for name in order:
             worker = proxy.fleet.get(name)
             if worker is None or not worker.serving or worker.role == PREFILL:
                 continue
             try:
                 status, _ = await asyncio.wait_for(
-                    self._exchange(worker, ex.scope["path"], _headers(ex, worker, proxy.settings.forward_client_auth), payload),
+                    self._exchange(worker, ex.scope["path"], with_credential(ex.headers, worker.api_key, auth), payload),
                     proxy.settings.first_byte_timeout_s,
                 )
             except (asyncio.TimeoutError, UpstreamError) as exc:
@@ -443,10 +441,3 @@ def _ensure_request_id(ex: Exchange) -> None:
     """P and D must see one request id (vLLM's proxy sends both the same `X-Request-Id`)."""
     if not any(k == _REQUEST_ID for k, _ in ex.headers):
         ex.headers = [*ex.headers, (_REQUEST_ID, f"kvroute-{uuid.uuid4().hex}".encode())]
-
-
-def _headers(ex: Exchange, worker: Worker, forward_client_auth: bool) -> Headers:
-    """The request's headers for `worker`: with its own credential, if it has one."""
-    if worker.api_key and not forward_client_auth:
-        return [*ex.headers, (b"authorization", b"Bearer " + worker.api_key.encode())]
-    return ex.headers

@@ -164,6 +164,14 @@ def upstream_headers(scope: dict, forward_client_auth: bool) -> Headers:
     return headers
 
 
+def with_credential(headers: Headers, api_key: str | None, forward_client_auth: bool) -> Headers:
+    """`headers` for a worker: with the worker's own credential, if it has one and the
+    client's is not forwarded."""
+    if api_key and not forward_client_auth:
+        return [*headers, (b"authorization", b"Bearer " + api_key.encode())]
+    return headers
+
+
 def _too_large(limit: int) -> RouterError:
     return RouterError(413, f"Request body exceeds the limit of {limit} bytes.", "request_too_large")
 

@@ -31,7 +31,7 @@ from cache_client.redact import exc_summary
 from cache_client.response_owners import OwnerRecord, ResponseOwners
 from normalizer.prefix import PrefixChain
 from router.errors import RouterError
-from router.proxy.exchange import read_body, upstream_headers
+from router.proxy.exchange import read_body, upstream_headers, with_credential
 from router.proxy.relay import response_headers, send_whole
 from router.proxy.upstream import UpstreamError
 from router.routing import RouteDecision
@@ -221,9 +221,8 @@ class ResponsesAffinity:
         body = await read_body(scope, receive, proxy.settings.max_body_bytes)
         _, worker = await self.owner_of(response_id, proxy.fleet)
         path = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
-        headers = upstream_headers(scope, proxy.settings.forward_client_auth)
-        if worker.api_key and not proxy.settings.forward_client_auth:
-            headers.append((b"authorization", b"Bearer " + worker.api_key.encode()))
+        auth = proxy.settings.forward_client_auth
+        headers = with_credential(upstream_headers(scope, auth), worker.api_key, auth)
         try:
             upstream = await asyncio.wait_for(
                 proxy.client.request(method, worker.url, path, headers, body), proxy.settings.first_byte_timeout_s
