@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,19 +62,14 @@ def start_pd_worker(stack: Stack, name: str, core: int, role: str, directory: Pa
 
 
 def start_pd_router(stack: Stack, p_url: str, d_url: str) -> tuple[Proc, str]:
-    from loadtests.vllm_e2e.run_e2e import free_port, start, wait_http
+    from loadtests.vllm_e2e.run_e2e import start_kvroute
 
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "router.cli", "serve", "--port", str(port),
+    args = [
         "--worker", f"P={p_url}", "--worker", f"D={d_url}", "--role", "P=prefill", "--role", "D=decode",
         "--pd-connector", "shared-storage", "--pd-split", "always",
         "--health-interval-s", "1", "--log-level", "warning",
     ]  # fmt: skip
-    router = start("router-pd", cmd, stack.logdir, {**stack.env(), "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/ready", router, 60)
-    return router, url
+    return start_kvroute("router-pd", args, stack.logdir, {**stack.env(), "PYTHONUNBUFFERED": "1"})
 
 
 def expected_load(prompt_tokens: int, own_hits: float, block: int) -> int:

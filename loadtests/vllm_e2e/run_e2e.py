@@ -254,6 +254,20 @@ def wait_http(url: str, proc: Proc, timeout: float) -> None:
     raise RuntimeError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
 
 
+def start_kvroute(name: str, args: Sequence[str], logdir: Path, env: dict[str, str]) -> tuple[Proc, str]:
+    """`kvroute serve ARGS` on a free port, ready: (its process, its URL). A router that
+    never gets ready is stopped before the error is raised."""
+    port = free_port()
+    proc = start(name, [sys.executable, "-m", "router.cli", "serve", "--port", str(port), *args], logdir, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/ready", proc, 60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
 @dataclass
 class LMCacheServer:
     """One LMCache multi-process server: the CPU pool of one node, which only the workers
@@ -1149,16 +1163,11 @@ def start_vlm_worker(stack: Stack, model: Path, site: Path) -> Worker:
 def start_vlm_router(stack: Stack, worker: Worker) -> tuple[Proc, str]:
     """`kvroute serve` in estimate mode (no tokenizer) over the VLM worker, images counted
     by Qwen2-VL's rule."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", "cache_aware",
-        "--worker", f"{worker.name}={worker.url}", "--admin-token", ADMIN_TOKEN, "--image-rule", "qwen2_vl",
-        "--health-interval-s", "1", "--log-level", "warning",
-    ]
-    proc = start("router-vlm", cmd, stack.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/ready", proc, 60)
-    return proc, url
+    args = [
+        "--policy", "cache_aware", "--worker", f"{worker.name}={worker.url}", "--admin-token", ADMIN_TOKEN,
+        "--image-rule", "qwen2_vl", "--health-interval-s", "1", "--log-level", "warning",
+    ]  # fmt: skip
+    return start_kvroute("router-vlm", args, stack.logdir, {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def vlm_request(url: str, worker: Worker, body: dict[str, Any], client: httpx.Client) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -101,19 +100,17 @@ def phase_tracing(stack: Stack, rx: OtlpReceiver, model: str) -> dict[str, Any]:
     """One plain request and one retried request, each traced client -> kvroute -> vLLM."""
     w1 = stack.workers[0]
     bad = _failing_worker(model)
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", "round_robin",
-        "--worker", f"w1={w1.url}", "--worker", f"bad=http://127.0.0.1:{bad.server_port}",
+    args = [
+        "--policy", "round_robin", "--worker", f"w1={w1.url}", "--worker", f"bad=http://127.0.0.1:{bad.server_port}",
         "--otlp-endpoint", rx.endpoint, "--otlp-protocol", "grpc", "--trace-service-name", "kvroute",
         "--breaker-failures", "0", "--outlier-interval-s", "0", "--log-level", "warning",
     ]
-    from loadtests.vllm_e2e.run_e2e import start, wait_http
+    from loadtests.vllm_e2e.run_e2e import start_kvroute
 
-    router = start("router-tracing", cmd, stack.logdir, {**stack.env(), "OTEL_BSP_SCHEDULE_DELAY": "100"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/ready", router, 60)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(bad.shutdown)
+        router, url = start_kvroute("router-tracing", args, stack.logdir, {**stack.env(), "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        cleanup.callback(router.stop)
         cases: dict[str, Any] = {}
         for _ in range(4):  # round robin: within two requests, one tries `bad` first
             status, trace_id, client_span = _traced_chat(url, model)
@@ -124,9 +121,6 @@ def phase_tracing(stack: Stack, rx: OtlpReceiver, model: str) -> dict[str, Any]:
                 cases[name] = _check(_settled(rx, trace_id), trace_id, client_span, 2 if retried else 1)
             if len(cases) == 2:
                 break
-    finally:
-        router.stop()
-        bad.shutdown()
     return {**cases, "ok": len(cases) == 2 and all(c["ok"] for c in cases.values())}
 
 
