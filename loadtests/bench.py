@@ -151,6 +151,8 @@ class Entry:
     (Envoy asking `kvroute epp`, loadtests/envoy.py)."""
     aggregated: bool = False
     """`NAME+agg` in a `--roles` run: the same workers all `both`, the router told no roles."""
+    pd_args: tuple[str, ...] = ()
+    """The P/D decision's settings of a `--roles` run's entry (`PD_SUFFIXES`)."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -172,6 +174,29 @@ def _split_agg_suffix(item: str) -> tuple[str, bool]:
     return item, False
 
 
+PD_SUFFIXES = {"+itl": "--pd-itl-budget-ms", "+stall": "--pd-stall-weight"}
+"""`NAME+itlN`, `NAME+stallN`: kvroute deciding P/D splits with that setting."""
+ALWAYS_SUFFIX = "+always"
+"""`NAME+always`: kvroute splitting every request (`--pd-split always`: the least a decode
+worker can be stalled by prefills)."""
+
+
+def _split_pd_suffixes(item: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME` with its trailing P/D decision suffixes taken off → (NAME, their router flags)."""
+    args: list[str] = []
+    while True:
+        if item.endswith(ALWAYS_SUFFIX):
+            item, args = item.removesuffix(ALWAYS_SUFFIX), ["--pd-split", "always", *args]
+            continue
+        for suffix, flag in PD_SUFFIXES.items():
+            base, sep, value = item.rpartition(suffix)
+            if sep and value.replace(".", "", 1).isdigit():
+                item, args = base, [flag, value, *args]
+                break
+        else:
+            return item, tuple(args)
+
+
 def _split_queue_suffix(item: str) -> tuple[str, int]:
     """`NAME+queue` (the engines' step budget) or `NAME+queueN` (N tokens) → (NAME, tokens)."""
     base, sep, tokens = item.rpartition("+queue")
@@ -184,6 +209,9 @@ def parse_entries(policies: str, peers: str) -> list[Entry]:
     entries: list[Entry] = []
     for item in (p.strip() for p in policies.split(",") if p.strip()):
         raw, agg = _split_agg_suffix(item)
+        pd_key = raw
+        raw, pd_args = _split_pd_suffixes(raw)
+        pd_key = pd_key[len(raw):]
         named, pool = _split_pool_suffix(raw)
         one_pool = named.endswith(ONE_POOL_SUFFIX)
         base, queue = _split_queue_suffix(named.removesuffix(ONE_POOL_SUFFIX))
@@ -192,8 +220,10 @@ def parse_entries(policies: str, peers: str) -> list[Entry]:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         default = name not in CACHE_BLIND
         pool = default if pool is None else pool
-        key = (named if pool == default else raw) + (AGG_SUFFIX if agg else "")
-        entries.append(Entry(key, "kvroute", name, None, pool, variant, queue, one_pool, aggregated=agg))
+        key = (named if pool == default else raw) + pd_key + (AGG_SUFFIX if agg else "")
+        entries.append(
+            Entry(key, "kvroute", name, None, pool, variant, queue, one_pool, aggregated=agg, pd_args=pd_args)
+        )  # fmt: skip
     for item in (p.strip() for p in peers.split(",") if p.strip()):
         raw, agg = _split_agg_suffix(item)
         name, pool = _split_pool_suffix(raw)
@@ -324,6 +354,7 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
     roles = setup.entry_roles(entry)
     if roles is not None:
         args += role_flags(roles) + setup.link_args()
+        args += [] if entry.aggregated else list(entry.pd_args)
     if entry.prefill_queue:
         args += ["--prefill-queue-tokens", str(entry.prefill_queue)]
     if entry.cost is not None:
@@ -432,7 +463,9 @@ async def _measure(
         )  # fmt: skip
         try:
             if isinstance(workload, traces.Trace):
-                outcome = await traces.drive_trace(workload, router.url, setup.time_scale, progress=progress)
+                outcome = await traces.drive_trace(
+                    workload, router.url, setup.time_scale, progress=progress, record_gaps=setup.roles is not None
+                )
             else:
                 outcome = await harness.drive(
                     workload, router.url, setup.time_scale, progress=progress, api=setup.api,

@@ -505,12 +505,16 @@ def markdown_lines(results: dict[str, Any]) -> tuple[list[str], list[str]]:
 # -- the replay -----------------------------------------------------------------------------------
 
 
-async def drive_trace(trace: Trace, base_url: str, time_scale: float, *, progress: Progress | None = None) -> RunOutcome:
-    """Send every request of the window at its time, streamed; return their records."""
+async def drive_trace(
+    trace: Trace, base_url: str, time_scale: float, *, progress: Progress | None = None, record_gaps: bool = False
+) -> RunOutcome:
+    """Send every request of the window at its time, streamed; return their records (with
+    `record_gaps`, also every gap between two streamed token events: `RunOutcome.itl_gaps_s`)."""
     loop = asyncio.get_running_loop()
     path = API_PATHS[trace.api]
     headers = [(b"content-type", b"application/json")]
     records: list[RequestRecord] = []
+    gaps: list[float] | None = [] if record_gaps else None
     stop_at = [math.inf]
     lag = LoopLag()
     client = RawUpstreamClient(connect_timeout_s=30.0, keepalive_expiry_s=60.0)
@@ -521,7 +525,7 @@ async def drive_trace(trace: Trace, base_url: str, time_scale: float, *, progres
         record = RequestRecord(req.index, 0, "trace", True, req.sent_s)
         records.append(record)
         payload = orjson.dumps(trace.body(req))
-        await stream_one(client, base_url, path, payload, headers, record, t0, time_scale, stop_at)
+        await stream_one(client, base_url, path, payload, headers, record, t0, time_scale, stop_at, gaps=gaps)
 
     async def report() -> None:
         while progress is not None:
@@ -556,4 +560,5 @@ async def drive_trace(trace: Trace, base_url: str, time_scale: float, *, progres
         window_s=trace.window_s,
         grace_expired=bool(pending),
         client_lag=lag.summary(),
+        itl_gaps_s=[g / time_scale for g in gaps or ()],
     )

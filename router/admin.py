@@ -270,7 +270,9 @@ def _pd(plan: PdPlan, default: CostModel) -> dict[str, Any]:
         "transfer_s": plan.transfer_s,
         "running_decodes": plan.running_decodes,
         "local_itl_stall_s": plan.local_stall_s,
+        "local_excess_stall_s": plan.local_excess_stall_s,
         "itl_budget_s": plan.itl_budget_s,
+        "priced_s": {"pd": plan.pd_cost_s, "pd_local": plan.local_cost_s},
         "prefill_candidates": [_priced(score, default) for score in plan.prefill_scores],
     }
 

@@ -23,8 +23,8 @@ mechanisms watch real traffic instead:
   worker lacks, its running requests), as observed ÷ predicted over the interval; without
   predictions (cache-blind policies) as the raw time. A busy worker is slow because of its
   queue, and the policy already sends it less. Ejecting it for that takes capacity away
-  at the moment the fleet is shortest of it and moves every conversation it held: issue
-  13, `seed` at 9.99 sessions/s, the busiest worker ejected for 30 s in each of two runs
+  at the moment the fleet is shortest of it and moves every conversation it held: in
+  `seed` at 9.99 sessions/s, the busiest worker ejected for 30 s in each of two runs
   (4.4 s mean time to first byte against a fleet median of 0.64 s; in the second run 10×
   its predicted time, the engine queueing for KV space the router's model does not see).
   An engine that is slow with nothing queued, one that crawls, is still ejected.

@@ -95,7 +95,7 @@ FLAT_KEYS: dict[str, Slot] = {
     **_prefixed("epp", "epp_", "tls_cert_file", "tls_key_file", "self_signed_tls"),
     **_same("tracing", "otlp_endpoint", "otlp_protocol"),
     **_prefixed("tracing", "trace_", "sample_ratio", "service_name"),
-    **_prefixed("disagg", "pd_", "itl_budget_ms", "link_gbps", "hold_timeout_s", "split", "connector"),
+    **_prefixed("disagg", "pd_", "itl_budget_ms", "stall_weight", "chunk_tokens", "link_gbps", "hold_timeout_s", "split", "connector"),
 }
 """Flat setting name -> where it lands. Each is a flag, a KVROUTE_* variable and a YAML key."""
 
@@ -138,8 +138,13 @@ HELP = {
     "workers share its LMCache pool and disk tier; workers on no node share the default one",
     "roles": "a worker's role in a prefill/decode-disaggregated fleet, NAME=prefill|decode|both (repeatable; "
     "env KVROUTE_ROLES comma-separated); workers given none are both, and a fleet of only both is aggregated",
-    "pd_itl_budget_ms": "disaggregated fleets: the longest stall a decode worker's local prefill may add to its "
-    "running streams' inter-token latency; beyond it the prompt goes to a prefill worker (see docs/disaggregation.md)",
+    "pd_itl_budget_ms": "disaggregated fleets: the stall per inter-token gap a decode worker's local prefill may add "
+    "to its running streams at no charge; beyond it the stall is priced like time to first token against the split "
+    "(see docs/disaggregation.md)",
+    "pd_stall_weight": "disaggregated fleets: the seconds of time to first token one second of stall beyond the "
+    "inter-token budget, in one running decode, is worth (large: the budget is a hard limit)",
+    "pd_chunk_tokens": "disaggregated fleets: the decode workers' max_num_batched_tokens (a local prefill stalls one "
+    "inter-token gap per chunk of this many tokens)",
     "pd_link_gbps": "disaggregated fleets: bandwidth of the KV link between prefill and decode workers, Gb/s",
     "pd_hold_timeout_s": "disaggregated fleets: how long a prefill worker holds unread KV "
     "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT); older params are not sent to a decode worker",

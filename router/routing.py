@@ -101,6 +101,15 @@ class PdPlan:
     """Prompt tokens D lacks, pulled from P."""
     running_decodes: int = 0
     itl_budget_s: float = 0.0
+    local_excess_stall_s: float = 0.0
+    """What a local prefill stalls each of D's running decodes beyond the budget, summed over
+    the gaps it stalls."""
+    local_cost_s: float = 0.0
+    """The local way's price: its TTFT + the stall beyond the budget × D's running decodes × the
+    stall's weight +
+    its prefill × the prefills waiting on D."""
+    pd_cost_s: float | None = None
+    """The split's price: its TTFT + P's prefill × the prefills waiting on P."""
     decode_reason: str = ""
     """The policy's own reason for D (gpu_hit, miss, overload, ...)."""
     prefill_scores: tuple[CandidateScore, ...] = ()

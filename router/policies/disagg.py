@@ -11,14 +11,24 @@ generate, `both` serve either side and whole requests. The decision is one pure 
    so the cache-aware policy keeps it there unless that worker's load costs more.
 2. P by the same policy over the prefill-capable workers (not D): its prefix cache and the
    prefill queued there.
-3. Whether to split: D prefilling the part of the prompt it lacks itself (`pd_local`) saves
-   P's queue, the transfer and the second hop, but stalls the decodes running on D for that
-   prefill (a step mixing a prefill chunk and decodes lasts as long as the chunk). So
-   `pd_local` is taken when its predicted time to first token is no worse than the split's
-   AND the stall it adds to D's running streams' inter-token latency is within
-   `itl_budget_ms`; otherwise `pd`. A D running no decodes is stalled for nobody, so an idle
-   fleet prefills locally whenever that is faster, and a conversation's later turns, whose
-   new part is short, stay on D while their prefill fits in the budget.
+3. Whether to split, by what each way costs everyone it delays. D prefilling what it lacks
+   itself (`pd_local`) spares P's queue, the transfer and the second hop, but every step
+   that computes a chunk of that prefill (the engine's step budget, `chunk_tokens`) also
+   lengthens one inter-token gap of each decode running on D by the chunk's compute. The
+   `itl_budget_ms` setting is the stall per gap the fleet accepts for free; beyond it, each
+   second a running stream is stalled counts as `stall_weight` seconds of time to first
+   token (1 by default: a second lost is a second lost). So:
+
+       local = local TTFT + stall_weight × D's running decodes × Σ over stalled gaps of
+               (stall − budget)⁺ + D's waiting prefills × D's prefill of this prompt
+       split = split TTFT + P's waiting prefills × P's prefill of this prompt
+
+   (the waiting-prefill terms are the Little's-law delay the cache-aware policy charges: a
+   prefill holds up the requests queued behind it). The cheaper one wins. A D running no
+   decodes, or a local prefill whose chunks stay within the budget, stalls nobody beyond it,
+   so a conversation's short new turn stays on D, and a long new prompt goes to P unless
+   P's queue costs more than the stall it spares, which keeps the two P from becoming the
+   fleet's queue.
 
 The split's time to first token = P's (its queued prefill, its running requests, its
 prefill of what it lacks) + the transfer of what D lacks (its KV bytes over the link) + D's
@@ -47,8 +57,15 @@ class DisaggSettings:
     """The `disagg` section of the router's config (flat keys `pd_*`)."""
 
     itl_budget_ms: float = 50.0
-    """The longest stall a local prefill may add to the inter-token latency of the decodes
-    running on a decode worker (0: never prefill on a busy decode worker)."""
+    """The stall a local prefill may add to one inter-token gap of each decode running on a
+    decode worker at no charge; beyond it the stall is priced like time to first token (0:
+    every stall is priced)."""
+    stall_weight: float = 1.0
+    """How many seconds of time to first token one second of stall beyond the budget, in one
+    running decode, is worth (large: the budget is a hard limit)."""
+    chunk_tokens: int = 8192
+    """The decode workers' step budget (vLLM's `max_num_batched_tokens`): a local prefill
+    computes at most this many tokens per step, so it stalls one gap per chunk."""
     link_gbps: float = 400.0
     """The KV link between prefill and decode workers, Gb/s (one ConnectX-7 per GPU)."""
     hold_timeout_s: float = 480.0
@@ -68,15 +85,16 @@ class DisaggSettings:
             raise ValueError(f"pd_split must be one of {', '.join(SPLITS)}, not {self.split!r}")
         if self.connector not in CONNECTORS:
             raise ValueError(f"pd_connector must be one of {', '.join(CONNECTORS)}, not {self.connector!r}")
-        if self.itl_budget_ms < 0:
-            raise ValueError(f"pd_itl_budget_ms must be >= 0, not {self.itl_budget_ms}")
-        if self.link_gbps <= 0 or self.hold_timeout_s <= 0:
-            raise ValueError("pd_link_gbps and pd_hold_timeout_s must be positive")
+        if self.itl_budget_ms < 0 or self.stall_weight < 0:
+            raise ValueError("pd_itl_budget_ms and pd_stall_weight must be >= 0")
+        if self.link_gbps <= 0 or self.hold_timeout_s <= 0 or self.chunk_tokens <= 0:
+            raise ValueError("pd_link_gbps, pd_hold_timeout_s and pd_chunk_tokens must be positive")
 
     def pricing(self, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN) -> PdPricing:
         return PdPricing(
-            self.itl_budget_ms * 1e-3, kv_bytes_per_token * 8 / (self.link_gbps * 1e9), self.split == "always"
-        )
+            self.itl_budget_ms * 1e-3, kv_bytes_per_token * 8 / (self.link_gbps * 1e9), self.split == "always",
+            self.chunk_tokens, self.stall_weight,
+        )  # fmt: skip
 
 
 SPLITS = ("auto", "always")
@@ -89,6 +107,14 @@ class PdPricing(NamedTuple):
     transfer_s_per_token: float = KV_BYTES_PER_TOKEN * 8 / 400e9
     always: bool = False
     """Split whenever a prefill worker is available, unpriced."""
+    chunk_tokens: int = 8192
+    stall_weight: float = 1.0
+
+    def excess_stall_s(self, prefill_s: float, tokens: int) -> float:
+        """What a local prefill of `tokens` taking `prefill_s` stalls one running decode
+        beyond the budget: each step computing a chunk stalls one gap by its share."""
+        gaps = max(-(-tokens // self.chunk_tokens), 1)
+        return gaps * max(prefill_s / gaps - self.itl_budget_s, 0.0)
 
 
 def roles_split(loads: Sequence[WorkerLoad], roles: Mapping[str, str]) -> tuple[list[WorkerLoad], list[WorkerLoad]]:
@@ -139,13 +165,18 @@ def choose_pd(
     )  # fmt: skip
     if pricing.always:
         return _decided(d, replace(plan, mode=PD, why="every request is split (pd_split: always)"), transfer + d_cost.step_s)
-    if local_ttft > pd_ttft:
-        return _decided(d, replace(plan, mode=PD, why="the split answers sooner"), transfer + d_cost.step_s)
-    if plan.local_stall_s > pricing.itl_budget_s:
-        why = "a local prefill would stall the decode worker's streams beyond the inter-token budget"
+    stall = pricing.excess_stall_s(local_prefill, max(request.chain.total_tokens - d.cached_tokens, 0))
+    local_cost = local_ttft + pricing.stall_weight * running * stall + d_load.prefilling * local_prefill
+    pd_cost = pd_ttft + p_load.prefilling * p_prefill
+    plan = replace(plan, local_excess_stall_s=stall, local_cost_s=local_cost, pd_cost_s=pd_cost)
+    if pd_cost < local_cost:
+        why = "the split answers sooner" if pd_ttft < local_ttft else "the stall a local prefill adds to D's decodes costs more than the split"
         return _decided(d, replace(plan, mode=PD, why=why), transfer + d_cost.step_s)
-    why = "no running decodes to stall" if not running else "the local prefill fits in the inter-token budget"
-    return _decided(d, replace(plan, why=f"local prefill answers no later; {why}"), local_prefill)
+    if not running or not stall:
+        why = "no running decodes to stall" if not running else "the local prefill stays within the inter-token budget"
+    else:
+        why = "the split's queue costs more than the stall the local prefill adds"
+    return _decided(d, replace(plan, why=f"local prefill: {why}"), local_prefill)
 
 
 def _decided(d: RouteDecision, plan: PdPlan, prefill_s: float) -> RouteDecision:

@@ -50,6 +50,24 @@ def test_agg_entries_run_on_the_same_workers_aggregated() -> None:
     assert "--role" not in _kvroute_args(_setup(None), entries["cache_aware"])  # no --roles: as before
 
 
+def test_pd_decision_variants_run_as_their_own_entries() -> None:
+    """`NAME+itlN`, `NAME+stallN` and `NAME+always` give kvroute that inter-token budget, that
+    price of a stall, or every request split."""
+    names = "cache_aware,cache_aware+itl20,cache_aware+always,cache_aware+itl7.5+agg,cache_aware+itl10+stall2.5"
+    entries = {e.key: e for e in parse_entries(names, "")}
+    assert set(entries) == set(names.split(","))
+    both = _kvroute_args(_setup(["prefill", "decode"], link=100.0), entries["cache_aware+itl10+stall2.5"])
+    assert both[both.index("--pd-itl-budget-ms") + 1] == "10" and both[both.index("--pd-stall-weight") + 1] == "2.5"
+    setup = _setup(["prefill", "decode", "decode", "decode"], link=100.0)
+    itl = _kvroute_args(setup, entries["cache_aware+itl20"])
+    assert itl[itl.index("--pd-itl-budget-ms") + 1] == "20" and "--pd-split" not in itl
+    always = _kvroute_args(setup, entries["cache_aware+always"])
+    assert always[always.index("--pd-split") + 1] == "always" and "--pd-itl-budget-ms" not in always
+    plain = _kvroute_args(setup, entries["cache_aware"])
+    assert "--pd-split" not in plain and "--pd-itl-budget-ms" not in plain
+    assert "--pd-itl-budget-ms" not in _kvroute_args(setup, entries["cache_aware+itl7.5+agg"])  # aggregated: no roles
+
+
 def test_pd_is_asked_for_by_name_only() -> None:
     assert [p for _, p in parse_peer("vllm-router")] == ["cache_aware", "consistent_hash"]
     assert parse_peer("vllm-router/pd") == [("vllm-router", "pd")]

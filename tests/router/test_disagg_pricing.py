@@ -92,6 +92,32 @@ def test_a_queue_on_the_decode_worker_makes_the_split_faster() -> None:
     assert d.reason == PD and d.pd.pd_ttft_s < d.pd.local_ttft_s
 
 
+def test_a_queued_prefill_worker_keeps_a_long_prompt_on_its_decode_worker() -> None:
+    """The stall beyond the budget is priced, not forbidden: when P's queue costs more than
+    the stall a local prefill adds to D's decodes, D prefills it."""
+    ps = {"p0": 3.0, "p1": 3.0}
+    lds = [WorkerLoad(n, inflight=4, queued_prefill_s=ps.get(n, 0.0), prefilling=3 if n in ps else 0) for n in ROLES]
+    d = choose_pd(CacheAwarePolicy(), RouteRequest(chain(8000)), view(), lds, COST, ROLES, BUDGET)
+    assert d.reason == PD_LOCAL and d.pd.local_stall_s > BUDGET.itl_budget_s
+    assert d.pd.local_cost_s < d.pd.pd_cost_s and d.pd.pd_ttft_s > 3.0
+    idle_p = [WorkerLoad(n, inflight=4) for n in ROLES]
+    assert choose_pd(CacheAwarePolicy(), RouteRequest(chain(8000)), view(), idle_p, COST, ROLES, BUDGET).reason == PD
+    hard = PdPricing(itl_budget_s=0.05, stall_weight=1e6)  # the budget as a hard limit: P's queue or not
+    assert choose_pd(CacheAwarePolicy(), RouteRequest(chain(8000)), view(), lds, COST, ROLES, hard).reason == PD
+
+
+def test_a_local_prefill_stalls_one_gap_per_chunk() -> None:
+    pricing = PdPricing(itl_budget_s=0.05, chunk_tokens=4096)
+    assert pricing.excess_stall_s(0.04, 4000) == 0.0  # one gap, within the budget
+    assert pricing.excess_stall_s(0.2, 16_384) == pytest.approx(0.0)  # four gaps of 50 ms
+    assert pricing.excess_stall_s(0.3, 16_384) == pytest.approx(4 * (0.075 - 0.05))
+    assert PdPricing(itl_budget_s=0.05, chunk_tokens=1 << 20).excess_stall_s(0.3, 16_384) == pytest.approx(0.25)
+    # The same 16k-token prompt, chunked finer on D, fits a budget it exceeds in one chunk.
+    wide = decide(16_000, {}, {"d0": 30, "d1": 30}, PdPricing(itl_budget_s=0.2, chunk_tokens=1 << 20))
+    fine = decide(16_000, {}, {"d0": 30, "d1": 30}, PdPricing(itl_budget_s=0.2, chunk_tokens=4096))
+    assert wide.reason == PD and fine.reason == PD_LOCAL and fine.pd.local_excess_stall_s == 0.0
+
+
 def test_always_splits_and_a_fleet_without_prefill_workers_never_does() -> None:
     assert decide(100, {}, {}, PdPricing(always=True)).reason == PD
     only_decode = {"d0": "decode", "d1": "decode", "b0": "both"}
