@@ -20,7 +20,7 @@ and sends it to the freed worker or, if its cached prefix is worth the wait, to 
 worker holding it. Order: arrival time plus the request's predicted prefill (its
 decision at arrival), so shorter prefills go first, but none waits for later arrivals more
 than its own prefill's length ahead (pure shortest-first lets a long prompt wait for every
-short one that comes; measured on the Mooncake traces in docs/benchmark.md).
+short one that comes; docs/reliability.md gives the measurement that chose it).
 
 Nothing is refused here: a request waits at most `queue_timeout_s`, and then is routed as
 if the queue were off. Below saturation (some worker under the mark) no request waits, so

@@ -47,8 +47,7 @@ def test_shared_system_prompt_does_not_pile_onto_one_worker(cluster) -> None:
     # elsewhere, recomputing only the conversation's own turns (above). Measured: 1.0
     # unloaded and 0.90-1.0 beside 8 CPU hogs here; 0.77 once in CI; at the simulator's
     # real speed, where the same bursts queue without contention, 0.85-1.0, and 0.60-0.90
-    # beside the hogs (docs/benchmark.md, "Lockstep bursts"). A policy that lost
-    # conversations would be near 1/3 (random).
+    # beside the hogs. A policy that lost conversations would be near 1/3 (random).
     assert result.affinity >= 0.6, result
 
 
