@@ -1278,8 +1278,6 @@ def check_roles(args: argparse.Namespace, entries: list[Entry]) -> None:
             raise ValueError("--kv-link-gbps applies to --roles")
         return
     roles = parse_roles(args.roles, args.workers)
-    if args.trace:
-        raise ValueError("--roles applies to a scenario (the trace replay records no inter-token gaps)")
     if "envoy" in envoy.parse_via(args.via):
         raise ValueError("--roles: kvroute epp does not split requests; use --via proxy")
     for e in entries:

@@ -286,3 +286,19 @@ def test_the_real_traces_first_lines_load() -> None:
     # The shared README's figure: the synthetic trace's first 12 minutes reuse 0.45 of their blocks.
     first12 = load_trace(_shared_trace("mooncake_synthetic_trace.jsonl"), 0.0, 12.0)
     assert ideal_reuse(first12.requests)["blocks"] == pytest.approx(0.45, abs=0.01)
+
+
+@pytest.mark.slow
+def test_a_trace_replays_on_a_disaggregated_fleet_with_its_inter_token_gaps(tmp_path: Path) -> None:
+    path = _write(tmp_path / "conv.jsonl", _conversations())
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = cli(["--trace", str(path), "--roles", "prefill:1,decode:2", "--workers", "3",
+                    "--policies", "cache_aware+always,cache_aware+agg", "--time-scale", "0.3", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    routers = json.loads((out / "results.json").read_text())["routers"]
+    split, agg = routers["cache_aware+always"], routers["cache_aware+agg"]
+    for r in (split, agg):
+        assert r["requests_measured"] == 36 and r["requests_failed"] == 0, r
+        assert r["itl_gaps"] > 0 and 0 <= r["itl_p50_s"] <= r["itl_p99_s"] and r["itl_p99_s"] > 0
+    assert split["pd"]["pulls"] == split["route_reasons"]["pd"] == 36 and agg["pd"]["pulls"] == 0
