@@ -79,6 +79,10 @@ class CandidateScore(NamedTuple):
     """The load it was priced at (in-flight count, queued prefill)."""
 
 
+PD, PD_LOCAL = "pd", "pd_local"
+"""The route reasons of a disaggregated fleet's generation requests: split, or prefilled on D."""
+
+
 @dataclass(frozen=True, slots=True)
 class PdPlan:
     """How a disaggregated fleet serves one request, and the numbers that chose it."""
@@ -113,6 +117,8 @@ class PdPlan:
     decode_reason: str = ""
     """The policy's own reason for D (gpu_hit, miss, overload, ...)."""
     prefill_scores: tuple[CandidateScore, ...] = ()
+    prefill_cached_tokens: int = 0
+    """Prompt tokens the prefill worker is predicted to reuse."""
 
     @property
     def local_stall_s(self) -> float:
@@ -142,6 +148,12 @@ class RouteDecision:
     pd: PdPlan | None = None
     """In a disaggregated fleet: the prefill worker and whether to split (`worker` is the
     decode worker; router/policies/disagg.py). None: an aggregated fleet."""
+
+    @property
+    def engine_cached_tokens(self) -> int:
+        """The prompt tokens the engine computing the prompt is predicted to reuse, what its
+        usage reports: the prefill worker's on a split, else `cached_tokens`."""
+        return self.pd.prefill_cached_tokens if self.pd is not None and self.pd.mode == PD else self.cached_tokens
 
 
 class Routed(NamedTuple):

@@ -45,11 +45,8 @@ from typing import NamedTuple
 from cache_client.base import IndexView
 from router.cost import KV_BYTES_PER_TOKEN, CostModel, Held
 from router.policies.base import Policy
-from router.routing import PdPlan, RouteDecision, RouteRequest, WorkerLoad
+from router.routing import PD, PD_LOCAL, PdPlan, RouteDecision, RouteRequest, WorkerLoad
 from router.workers import BOTH, DECODE, PREFILL
-
-PD, PD_LOCAL = "pd", "pd_local"
-"""The route reasons of a disaggregated fleet's generation requests."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +158,7 @@ def choose_pd(
     pd_ttft = p_ttft + transfer + d_load.inflight * d_cost.inflight_penalty_s + d_cost.step_s
     plan = replace(
         plan, prefill_worker=p.worker, prefill_ranking=p.ranking, prefill_s=p_prefill, pd_ttft_s=pd_ttft,
-        transfer_s=transfer, pull_tokens=pull, prefill_scores=p.scores,
+        transfer_s=transfer, pull_tokens=pull, prefill_scores=p.scores, prefill_cached_tokens=p.cached_tokens,
     )  # fmt: skip
     if pricing.always:
         return _decided(d, replace(plan, mode=PD, why="every request is split (pd_split: always)"), transfer + d_cost.step_s)

@@ -470,7 +470,7 @@ class Proxy:
         if ex.kind is not None:
             self.metrics.prompt_tokens.inc(amount=choice.chain.total_tokens)
             decision = choice.decision
-            self.metrics.predicted_cached.inc(amount=decision.cached_tokens)
+            self.metrics.predicted_cached.inc(amount=decision.engine_cached_tokens)
             if decision.reuse.copied:
                 for tier, tokens in (("pool", decision.reuse.pool), ("disk", decision.reuse.disk),
                                      ("remote", decision.reuse.remote)):
