@@ -196,6 +196,22 @@ class RedisIndex:
         self._epoch: bytes | None = None
         self._mirror = _Mirror(default_capacity_tokens)
         self._caps: dict[str, int] = {}
+        self._init_write_queue(flush_delay_s, max_batch_ops, max_batch_keys, backlog_limit, piggyback_ops)
+        self._init_lookup_batches(max_lookup_calls, max_lookups_per_call)
+        self.stats = {
+            "remote_lookups": 0, "fallback_lookups": 0, "lookup_calls": 0, "dropped_ops": 0, "resyncs": 0,
+            "unsettled_writes": 0,
+        }  # fmt: skip
+        backend.probe = self._probe
+        backend.on_up.append(self._on_up)
+        if observer is not None:
+            backend.observe(observer)
+
+    def _init_write_queue(
+        self, flush_delay_s: float, max_batch_ops: int, max_batch_keys: int, backlog_limit: int, piggyback_ops: int
+    ) -> None:
+        """The writes waiting for the flusher, which sends them in batches (or rides them on
+        a lookup call, `piggyback_ops` at most), and how far they are written."""
         self._pending: deque[Op] = deque()
         # Ops ever queued, and of those the ones written (or given up: dropped, or folded into
         # a resync); `written()` waits for the second to reach the first.
@@ -207,25 +223,21 @@ class RedisIndex:
         self._max_batch_keys = max_batch_keys
         self._backlog_limit = backlog_limit
         self._piggyback_ops = piggyback_ops
+        self._overflowed = False
+        self._resync_needed = False
+        self._resyncing = False
+        self._wake: asyncio.Event | None = None
+        self._flusher: asyncio.Task | None = None
+
+    def _init_lookup_batches(self, max_lookup_calls: int, max_lookups_per_call: int) -> None:
+        """The lookups waiting for a call (at most `max_lookup_calls` in flight, each
+        carrying up to `max_lookups_per_call`)."""
         self._lookups: deque[tuple[bytes, asyncio.Future]] = deque()
         self._riders: deque[Rider] = deque()
         """Other script calls (the tenant limits') waiting to ride in the next lookup call."""
         self._lookup_calls = 0
         self._max_lookup_calls = max_lookup_calls
         self._max_lookups_per_call = max_lookups_per_call
-        self._overflowed = False
-        self._resync_needed = False
-        self._resyncing = False
-        self._wake: asyncio.Event | None = None
-        self._flusher: asyncio.Task | None = None
-        self.stats = {
-            "remote_lookups": 0, "fallback_lookups": 0, "lookup_calls": 0, "dropped_ops": 0, "resyncs": 0,
-            "unsettled_writes": 0,
-        }  # fmt: skip
-        backend.probe = self._probe
-        backend.on_up.append(self._on_up)
-        if observer is not None:
-            backend.observe(observer)
 
     @classmethod
     def from_settings(cls, settings: RedisIndexSettings, observer: IndexObserver | None = None) -> RedisIndex:

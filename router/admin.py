@@ -14,6 +14,7 @@ token every admin endpoint answers 403.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -51,15 +52,37 @@ def _bad(message: str, code: str = "invalid_request") -> RouterError:
 
 def register_admin(api: FastAPI, services: Services) -> None:
     """The admin endpoints on `api`, over the router's components."""
-    token: KeyCheck | None = services.admin_token
+    admin = _Admin(services)
+    _register_worker_endpoints(api, admin)
+    _register_tenant_endpoints(api, admin)
 
-    def check(request: Request) -> None:
-        if token is None:
+    @api.post("/debug/route", include_in_schema=False)
+    async def debug_route(request: Request) -> Response:
+        admin.check(request)
+        path = request.query_params.get("path", "/v1/chat/completions")
+        if path not in PROXIED_PATHS:
+            raise _bad(f"'path' must be one of {', '.join(PROXIED_PATHS)}.")
+        tenant = tenant_named(services, request.query_params.get("tenant"))
+        # Any body the proxy takes: an operator asks about the request that was routed.
+        body = await json_body(request, services.config.proxy.max_body_bytes)
+        return _json(200, await explain(services, path, body, request.headers.get("x-session-id"), tenant))
+
+
+class _Admin:
+    """What the admin endpoints share: the token check each one makes first, and how a
+    worker is named and shown."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.token: KeyCheck | None = services.admin_token
+
+    def check(self, request: Request) -> None:
+        if self.token is None:
             raise RouterError(403, "Admin endpoints are disabled: no admin token is configured.", "admin_disabled")
-        if not token.accepts_headers(request.scope["headers"]):
+        if not self.token.accepts_headers(request.scope["headers"]):
             raise unauthorized(admin=True)
 
-    def info(w: Worker) -> dict[str, Any]:
+    def info(self, w: Worker) -> dict[str, Any]:
         return {
             "name": w.name,
             "node": w.node,
@@ -68,115 +91,122 @@ def register_admin(api: FastAPI, services: Services) -> None:
             "draining": w.draining,
             "serving": w.serving,
             "circuit": w.breaker.state,
-            "inflight": services.loads.inflight(w.name),
+            "inflight": self.services.loads.inflight(w.name),
             "models": sorted(w.models),
         }
 
-    def worker(name: str) -> Worker:
-        w = services.fleet.get(name)
+    def worker(self, name: str) -> Worker:
+        w = self.services.fleet.get(name)
         if w is None:
             raise RouterError(404, f"No worker named '{name}'.", "worker_not_found")
         return w
 
-    async def json_body(request: Request, limit: int = ADMIN_BODY_BYTES) -> dict[str, Any]:
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise RouterError(413, f"This request's body is limited to {limit} bytes.", "request_too_large")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise RouterError(413, f"This request's body is limited to {limit} bytes.", "request_too_large")
-        return parse_body(raw)
+
+async def json_body(request: Request, limit: int = ADMIN_BODY_BYTES) -> dict[str, Any]:
+    """An admin request's JSON body, refused (413) beyond `limit` bytes."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise RouterError(413, f"This request's body is limited to {limit} bytes.", "request_too_large")
+    raw = await request.body()
+    if len(raw) > limit:
+        raise RouterError(413, f"This request's body is limited to {limit} bytes.", "request_too_large")
+    return parse_body(raw)
+
+
+def _register_worker_endpoints(api: FastAPI, admin: _Admin) -> None:
+    """/admin/workers: list, add, remove, drain and undrain workers."""
+    fleet = admin.services.fleet
 
     @api.get("/admin/workers", include_in_schema=False)
     async def list_workers(request: Request) -> Response:
-        check(request)
-        return _json(200, {"object": "list", "data": [info(w) for w in services.fleet]})
+        admin.check(request)
+        return _json(200, {"object": "list", "data": [admin.info(w) for w in fleet]})
 
     @api.post("/admin/workers", include_in_schema=False)
     async def add_worker(request: Request) -> Response:
-        check(request)
-        body = await json_body(request)
-        name, url = body.get("name"), body.get("url")
-        if not isinstance(name, str) or not name or not name.isprintable() or "/" in name or len(name) > 128:
-            raise _bad("'name' must be a non-empty printable string without '/' (at most 128 characters).")
-        if not isinstance(url, str) or not url:
-            raise _bad("'url' must be a string: http://HOST:PORT or https://HOST:PORT.")
-        try:
-            spec = parse_worker_arg(f"{name}={url}")
-        except ValueError:
-            raise _bad("'url' must start with http:// or https://.") from None
-        api_key = body.get("api_key")
-        env_name = body.get("api_key_env")
-        if env_name is not None:
-            if not isinstance(env_name, str) or env_name not in services.environ:
-                raise _bad("'api_key_env' must name an environment variable set for the router.")
-            api_key = services.environ[env_name]
-        if api_key is not None and not isinstance(api_key, str):
-            raise _bad("'api_key' must be a string.")
-        node = body.get("node")
-        if node is not None and (not isinstance(node, str) or not node.isprintable() or len(node) > 128):
-            raise _bad("'node' must be a printable string (at most 128 characters).")
-        role = body.get("role")
-        if role is not None and role not in ROLES:
-            raise _bad("'role' must be one of " + ", ".join(ROLES) + ".")
-        if services.fleet.get(name) is not None:
-            raise RouterError(409, f"A worker named '{name}' already exists.", "worker_exists")
-        added = services.fleet.add(WorkerSpec(spec.name, spec.url, api_key, node, role))
-        await services.fleet.check(added)  # usable at once if it is up, not after the next round
-        return _json(201, info(added))
+        admin.check(request)
+        spec = worker_spec(await json_body(request), admin.services.environ)
+        if fleet.get(spec.name) is not None:
+            raise RouterError(409, f"A worker named '{spec.name}' already exists.", "worker_exists")
+        added = fleet.add(spec)
+        await fleet.check(added)  # usable at once if it is up, not after the next round
+        return _json(201, admin.info(added))
 
     @api.delete("/admin/workers/{name}", include_in_schema=False)
     async def remove_worker(request: Request, name: str) -> Response:
-        check(request)
-        w = worker(name)
-        await services.fleet.remove(name)
-        return _json(200, {"name": name, "removed": True, "inflight": services.loads.inflight(w.name)})
+        admin.check(request)
+        w = admin.worker(name)
+        await fleet.remove(name)
+        return _json(200, {"name": name, "removed": True, "inflight": admin.services.loads.inflight(w.name)})
 
     @api.post("/admin/workers/{name}/drain", include_in_schema=False)
     async def drain(request: Request, name: str) -> Response:
-        check(request)
-        w = worker(name)
-        services.fleet.drain(name, True)
-        return _json(200, info(w))
+        admin.check(request)
+        w = admin.worker(name)
+        fleet.drain(name, True)
+        return _json(200, admin.info(w))
 
     @api.post("/admin/workers/{name}/undrain", include_in_schema=False)
     async def undrain(request: Request, name: str) -> Response:
-        check(request)
-        w = worker(name)
-        services.fleet.drain(name, False)
-        services.admission.released()  # capacity came back: let a queued request in
-        return _json(200, info(w))
+        admin.check(request)
+        w = admin.worker(name)
+        fleet.drain(name, False)
+        admin.services.admission.released()  # capacity came back: let a queued request in
+        return _json(200, admin.info(w))
+
+
+def worker_spec(body: dict[str, Any], environ: Mapping[str, str]) -> WorkerSpec:
+    """The worker a `POST /admin/workers` body describes (400 naming the field at fault).
+    Its credential is given (`api_key`) or named (`api_key_env`, looked up in `environ`)."""
+    name, url = body.get("name"), body.get("url")
+    if not isinstance(name, str) or not name or not name.isprintable() or "/" in name or len(name) > 128:
+        raise _bad("'name' must be a non-empty printable string without '/' (at most 128 characters).")
+    if not isinstance(url, str) or not url:
+        raise _bad("'url' must be a string: http://HOST:PORT or https://HOST:PORT.")
+    try:
+        spec = parse_worker_arg(f"{name}={url}")
+    except ValueError:
+        raise _bad("'url' must start with http:// or https://.") from None
+    api_key = body.get("api_key")
+    env_name = body.get("api_key_env")
+    if env_name is not None:
+        if not isinstance(env_name, str) or env_name not in environ:
+            raise _bad("'api_key_env' must name an environment variable set for the router.")
+        api_key = environ[env_name]
+    if api_key is not None and not isinstance(api_key, str):
+        raise _bad("'api_key' must be a string.")
+    node = body.get("node")
+    if node is not None and (not isinstance(node, str) or not node.isprintable() or len(node) > 128):
+        raise _bad("'node' must be a printable string (at most 128 characters).")
+    role = body.get("role")
+    if role is not None and role not in ROLES:
+        raise _bad("'role' must be one of " + ", ".join(ROLES) + ".")
+    return WorkerSpec(spec.name, spec.url, api_key, node, role)
+
+
+def _register_tenant_endpoints(api: FastAPI, admin: _Admin) -> None:
+    """/admin/tenants: the tenants in force (without their keys), and a reload of their file."""
+    tenants = admin.services.tenants
 
     @api.get("/admin/tenants", include_in_schema=False)
     async def list_tenants(request: Request) -> Response:
-        check(request)
-        return _json(200, tenants_info(services))
+        admin.check(request)
+        return _json(200, tenants_info(admin.services))
 
     @api.post("/admin/tenants/reload", include_in_schema=False)
     async def reload_tenants(request: Request) -> Response:
-        check(request)
-        if services.tenants.path is None:
+        admin.check(request)
+        if tenants.path is None:
             raise RouterError(409, "No tenants file is configured (--tenants).", "tenants_not_configured")
         try:
-            services.tenants.reload()
+            tenants.reload()
         except OSError as exc:
             raise RouterError(422, f"Tenants file not reloaded: {exc.strerror}; the previous tenants stay.",
                               "tenants_invalid") from None
         except ValueError as exc:
             raise RouterError(422, f"Tenants file not reloaded: {exc}; the previous tenants stay.",
                               "tenants_invalid") from None
-        return _json(200, tenants_info(services))
-
-    @api.post("/debug/route", include_in_schema=False)
-    async def debug_route(request: Request) -> Response:
-        check(request)
-        path = request.query_params.get("path", "/v1/chat/completions")
-        if path not in PROXIED_PATHS:
-            raise _bad(f"'path' must be one of {', '.join(PROXIED_PATHS)}.")
-        tenant = tenant_named(services, request.query_params.get("tenant"))
-        # Any body the proxy takes: an operator asks about the request that was routed.
-        body = await json_body(request, services.config.proxy.max_body_bytes)
-        return _json(200, await explain(services, path, body, request.headers.get("x-session-id"), tenant))
+        return _json(200, tenants_info(admin.services))
 
 
 def tenants_info(services: Services) -> dict[str, Any]:

@@ -50,6 +50,35 @@ def _error(status: int, message: str, code: str, headers: dict[str, str] | None 
     return Response(error_body(status, message, code), status_code=status, media_type="application/json", headers=headers)
 
 
+def _answer_errors_in_api_shapes(api: FastAPI) -> None:
+    """FastAPI's own errors (404, 405, invalid parameters), `RouterError`s and bugs, as
+    error bodies in the endpoint's API shape (a bug: a redacted log line, never a traceback)."""
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        # e.g. GET /v1/messages: a 405 in the endpoint's own shape.
+        body = RouterError(exc.status_code, str(exc.detail), code).body(api_of(request.url.path))
+        return Response(body, status_code=exc.status_code, media_type="application/json",
+                        headers=getattr(exc, "headers", None))
+
+    @api.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        return _error(400, "Invalid request parameters.", "invalid_request")
+
+    @api.exception_handler(RouterError)
+    async def router_error(_request: Request, exc: RouterError) -> Response:
+        headers = {k.decode(): v.decode() for k, v in exc.headers()}
+        if exc.status == 401:
+            headers["www-authenticate"] = "Bearer"
+        return Response(exc.body(), status_code=exc.status, headers=headers)
+
+    @api.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> Response:
+        log.error("internal error: %s", exc_summary(exc))
+        return _error(500, "Internal router error.", "internal_error")
+
+
 class KvrouteApp:
     """ASGI app, assembled from one `Services` object (router/services.py); its lifespan
     starts the components with a lifecycle in order and stops them in reverse."""
@@ -117,31 +146,7 @@ class KvrouteApp:
 
         for path in PROXIED_PATHS:
             api.router.routes.append(Route(path, endpoint=proxied, methods=["POST"]))
-
-        @api.exception_handler(StarletteHTTPException)
-        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-            # e.g. GET /v1/messages: a 405 in the endpoint's own shape.
-            body = RouterError(exc.status_code, str(exc.detail), code).body(api_of(request.url.path))
-            return Response(body, status_code=exc.status_code, media_type="application/json",
-                            headers=getattr(exc, "headers", None))
-
-        @api.exception_handler(RequestValidationError)
-        async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
-            return _error(400, "Invalid request parameters.", "invalid_request")
-
-        @api.exception_handler(RouterError)
-        async def router_error(_request: Request, exc: RouterError) -> Response:
-            headers = {k.decode(): v.decode() for k, v in exc.headers()}
-            if exc.status == 401:
-                headers["www-authenticate"] = "Bearer"
-            return Response(exc.body(), status_code=exc.status, headers=headers)
-
-        @api.exception_handler(Exception)
-        async def internal_error(_request: Request, exc: Exception) -> Response:
-            log.error("internal error: %s", exc_summary(exc))
-            return _error(500, "Internal router error.", "internal_error")
-
+        _answer_errors_in_api_shapes(api)
         openapi = OPENAPI_PATH.read_bytes()
 
         @api.get("/openapi.json")
@@ -149,6 +154,11 @@ class KvrouteApp:
             return Response(openapi, media_type="application/json")
 
         register_admin(api, self.services)
+        self._add_status_endpoints(api)
+        return api
+
+    def _add_status_endpoints(self, api: FastAPI) -> None:
+        """/health, /ready, /v1/models and /metrics."""
 
         @api.get("/health")
         async def health() -> Response:
@@ -173,8 +183,6 @@ class KvrouteApp:
             if OPENMETRICS_TYPE in request.headers.get("accept", ""):
                 return Response(self.metrics.registry.render(openmetrics=True), media_type=OPENMETRICS_CONTENT_TYPE)
             return Response(self.metrics.registry.render(), media_type="text/plain; version=0.0.4")
-
-        return api
 
     def _refresh_gauges(self) -> None:
         # Rebuilt each scrape so that removed workers disappear from the series.

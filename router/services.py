@@ -225,30 +225,100 @@ def build_services(
     a fake upstream, an httpx MockTransport for health checks, a prepared index)."""
     # Given when the index reports its health into them (it is built before the app).
     metrics = metrics if metrics is not None else RouterMetrics()
+    index, loads = _index_and_loads(config, metrics, index, loads)
+    chains = chains if chains is not None else _chain_builder(config)
+    policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
+    cost = config.cost.model()
+    calibrator = _cost_learning(config, cost, loads, metrics)
+    tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
+    # With tenants the wait queue serves them by weighted fair share (router/proxy/fair.py).
+    admission = config.overload.admission(fair=tenants.enabled)
+    client = health_client or _health_client(config)
+    tiers = Tiers.of(config.index)
+    fleet = _fleet(config, client, index, loads, calibrator, tiers)
+    salter = _tenancy(config, index, metrics, tenants)
+    proxy = Proxy(
+        config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission,
+        ends=_served_ends(policy, loads), normalize=config.normalize, tiers=tiers,
+        affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
+        tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,
+        limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
+        prefill_queue=config.overload.prefill_queue(cost),
+    )
+    _add_pd_and_tracing(proxy, config)
+    env: Mapping[str, str] = environ if environ is not None else {}
+    services = Services(
+        config=config, environ=env, metrics=metrics, index=index, loads=loads, chains=chains,
+        precise=chains if isinstance(chains, PreciseMode) else None, policy=policy, cost=cost,
+        admission=admission, api_keys=config.security.client_keys(), admin_token=config.security.admin_check(),
+        tenants=tenants, health_client=client, fleet=fleet, proxy=proxy,
+        outliers=OutlierDetector(lambda: fleet, config.outlier), loop_lag=LoopLagMonitor(),
+        discoveries=Discoveries(fleet, config.discover, env), salter=salter,
+    )
+    services.lifecycle = _lifecycle(services)
+    return services
+
+
+def _add_pd_and_tracing(proxy: Proxy, config: RouterConfig) -> None:
+    """The proxy's prefill/decode splits, for fleets whose workers have roles (inert while
+    none has), and its spans of each request, exported over OTLP (router/tracing.py; None:
+    tracing off)."""
+    proxy.pd = PdFlow(proxy, config.disagg, config.disagg.pricing(config.cost.kv_bytes_per_token))
+    proxy.tracer = build_tracer(config.tracing, proxy.metrics.ttft)
+
+
+def _tenancy(config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics, tenants: TenantRegistry) -> CacheSalter | None:
+    """With tenants: their series on /metrics, and each cache scope's salt, which every
+    request then carries (router/tenants/salt.py). None: no tenants."""
+    if not tenants.enabled:
+        return None
+    metrics.enable_tenants()
+    return cache_salter(config, index)
+
+
+def _index_and_loads(
+    config: RouterConfig, metrics: RouterMetrics, index: PrefixIndex | None, loads: LoadBoard | None
+) -> tuple[PrefixIndex, LoadBoard]:
+    """The prefix index and the load board (those given, else shared through Redis when
+    the config names it, else this process's own); a shared index's stats on /metrics."""
     if config.redis.url and index is None and loads is None:
         shared = redis_components(config, observer=metrics)
         index, loads = shared["index"], shared["loads"]
     index = index if index is not None else MemoryIndex(config.index.kv_capacity_tokens)
     expose_index_stats(index, metrics)
     loads = loads if loads is not None else LocalLoadBoard(config.routing.recent_half_life_s)
-    if chains is None:
-        estimate = EstimateChainBuilder(MediaReader(config.media))
-        mode = build_precise(config.precise, fallback=estimate)
-        chains = mode if mode is not None else estimate
-    precise = chains if isinstance(chains, PreciseMode) else None
-    policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
-    cost = config.cost.model()
-    calibrator = None
-    if config.cost.learning == "on":
-        calibrator = Calibrator(cost, config.cost.fixed())
-        loads.costs = calibrator.costs  # the load view carries each worker's learned model
-        if hasattr(loads, "calibrator"):  # RedisLoadBoard: replicas share their statistics
-            loads.calibrator = calibrator
-        metrics.enable_cost_learning(*cost_readers(calibrator))
-    tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)
-    # With tenants the wait queue serves them by weighted fair share (router/proxy/fair.py).
-    admission = config.overload.admission(fair=tenants.enabled)
-    client = health_client or _health_client(config)
+    return index, loads
+
+
+def _chain_builder(config: RouterConfig) -> ChainBuilder:
+    """Precise mode's chain builder when configured (falling back on the estimate), else
+    the estimate's."""
+    estimate = EstimateChainBuilder(MediaReader(config.media))
+    mode = build_precise(config.precise, fallback=estimate)
+    return mode if mode is not None else estimate
+
+
+def _cost_learning(config: RouterConfig, cost: CostModel, loads: LoadBoard, metrics: RouterMetrics) -> Calibrator | None:
+    """With `cost.learning` on: each worker's costs learned from its answers, carried on the
+    load board (shared with the other replicas through a Redis one) and on /metrics."""
+    if config.cost.learning != "on":
+        return None
+    calibrator = Calibrator(cost, config.cost.fixed())
+    loads.costs = calibrator.costs  # the load view carries each worker's learned model
+    if hasattr(loads, "calibrator"):  # RedisLoadBoard: replicas share their statistics
+        loads.calibrator = calibrator
+    metrics.enable_cost_learning(*cost_readers(calibrator))
+    return calibrator
+
+
+def _fleet(
+    config: RouterConfig, client: httpx.AsyncClient, index: PrefixIndex, loads: LoadBoard,
+    calibrator: Calibrator | None, tiers: Tiers,
+) -> Fleet:  # fmt: skip
+    """The workers, health-checked with `client`; the index (with the capacities of each
+    worker's `tiers`) and the load board follow the fleet's changes. (Forwarding has its
+    own client, built by `Proxy.start`: httpx costs O(open connections) per request, the
+    raw client O(1), docs/performance.md.)"""
 
     def forget(worker: str) -> None:
         # A removed worker's counts and learned costs would otherwise stay (and its
@@ -257,67 +327,29 @@ def build_services(
         if calibrator is not None:
             calibrator.forget(worker)
 
-    tiers = Tiers.of(config.index)
-
     def place(worker: Worker) -> None:
         # Capacity models of a joining worker's GPU and of the tiers its node brings.
         index.set_capacity(worker.name, config.index.kv_capacity_tokens)
         for location, tokens in tiers.capacities(worker.node):
             index.set_capacity(location, tokens)
 
-    fleet = config.health.fleet(
+    return config.health.fleet(
         config.workers, client, on_down=index.drop_location, on_removed=forget, on_added=place,
         breaker=config.breaker, nodes=config.nodes, roles=config.roles,
     )
-    # Forwarding has its own client (built by `Proxy.start`): httpx (above, for health
-    # checks) costs O(open connections) per request, the raw client O(1) (docs/performance.md).
-    # With tenants, every request carries its cache scope's salt (router/tenants/salt.py).
-    salter = cache_salter(config, index) if tenants.enabled else None
-    if tenants.enabled:
-        metrics.enable_tenants()
-    # Where the prompts sent ended, to find a conversation's home (cache_client/served_ends.py);
-    # replicas sharing Redis pass theirs on at the load board's sync.
-    ends = ServedEnds() if policy.uses_index else None
-    if ends is not None and hasattr(loads, "ends"):
+
+
+def _served_ends(policy: Policy, loads: LoadBoard) -> ServedEnds | None:
+    """Where the prompts sent ended, to find a conversation's home (cache_client/served_ends.py);
+    replicas sharing Redis pass theirs on at the load board's sync. None: the policy reads
+    no index."""
+    if not policy.uses_index:
+        return None
+    ends = ServedEnds()
+    if hasattr(loads, "ends"):
         ends.share()
         loads.ends = ends
-    proxy = Proxy(
-        config.proxy, fleet, index, loads, policy, cost, chains, metrics, upstream, admission=admission, ends=ends,
-        normalize=config.normalize, tiers=tiers,
-        affinity=ResponsesAffinity(response_owners(config, index), config.index.responses_owner_ttl_s),
-        tenants=tenants if tenants.enabled else None, salter=salter, calibrator=calibrator,
-        limiter=tenant_limiter(config, index, loads) if tenants.enabled else None,
-        prefill_queue=config.overload.prefill_queue(cost),
-    )
-    # Prefill/decode splits, for fleets whose workers have roles (inert while none has).
-    proxy.pd = PdFlow(proxy, config.disagg, config.disagg.pricing(config.cost.kv_bytes_per_token))
-    # Spans of each request, exported over OTLP (router/tracing.py); None: tracing off.
-    proxy.tracer = build_tracer(config.tracing, metrics.ttft)
-    env: Mapping[str, str] = environ if environ is not None else {}
-    services = Services(
-        config=config,
-        environ=env,
-        metrics=metrics,
-        index=index,
-        loads=loads,
-        chains=chains,
-        precise=precise,
-        policy=policy,
-        cost=cost,
-        admission=admission,
-        api_keys=config.security.client_keys(),
-        admin_token=config.security.admin_check(),
-        tenants=tenants,
-        health_client=client,
-        fleet=fleet,
-        proxy=proxy,
-        outliers=OutlierDetector(lambda: fleet, config.outlier),
-        loop_lag=LoopLagMonitor(),
-        discoveries=Discoveries(fleet, config.discover, env),
-        salter=salter,
-    )
-    services.lifecycle = _lifecycle(services)
-    return services
+    return ends
 
 
 REDIS_STARTUP_WAIT_S = 2.0

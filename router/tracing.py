@@ -20,15 +20,14 @@ import contextvars
 import importlib
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from router.metrics import Histogram
-    from router.proxy.attempt import Attempt
     from router.proxy.exchange import Exchange
-    from router.proxy.handler import Proxy
     from router.routing import Routed
 
 PROTOCOLS = ("http", "grpc")
@@ -167,8 +166,8 @@ class Tracer:
         current = _CURRENT.get()
         return current is not None and current.ex is ex
 
-    async def request(self, proxy: Proxy, ex: Exchange) -> None:
-        """`proxy.handle(ex)` inside the request's span, the client's trace continued."""
+    async def request(self, handle: Callable[[Exchange], Awaitable[None]], ex: Exchange) -> None:
+        """`handle(ex)` (the proxy's) inside the request's span, the client's trace continued."""
         carrier = {k.decode(): v.decode("latin-1") for k, v in ex.scope["headers"] if k in _TRACE_HEADERS}
         parent = self._propagator.extract(carrier) if carrier else None
         span = self._tracer.start_span(
@@ -178,7 +177,7 @@ class Tracer:
         token = self._context.attach(self._trace.set_span_in_context(span))
         mark = _CURRENT.set(current)
         try:
-            await proxy.handle(ex)
+            await handle(ex)
         except BaseException as exc:
             self._failed(current, exc)
             raise
@@ -220,13 +219,14 @@ class Tracer:
             _describe_decision(span, routed, *(lookup or (None, "not_read")))
         span.end()
 
-    def attempt(self, ex: Exchange, attempt: Attempt) -> AttemptTrace:
-        """The span of one try on one worker, open until `AttemptTrace.close`."""
+    def attempt(self, ex: Exchange, worker: str, reason: str) -> AttemptTrace:
+        """The span of one try on `worker` (routed there for `reason`), open until
+        `AttemptTrace.close`."""
         span = self._tracer.start_span("kvroute.attempt", kind=self._kinds.CLIENT)
         if span.is_recording():
             span.set_attributes({
-                "kvroute.worker": attempt.worker.name, "kvroute.attempt.number": ex.attempts,
-                "kvroute.route.reason": attempt.reason,
+                "kvroute.worker": worker, "kvroute.attempt.number": ex.attempts,
+                "kvroute.route.reason": reason,
             })  # fmt: skip
             if ex.attempts > 1:
                 span.set_attribute("kvroute.retry_cause", ex.last_error)

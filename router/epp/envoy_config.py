@@ -129,6 +129,52 @@ class EnvoyBootstrap:
     --epp-self-signed-tls`), as kgateway does."""
 
     def to_dict(self) -> dict[str, Any]:
+        """Envoy's bootstrap: the gateway's listener, the pool's cluster and the picker's."""
+        clusters = [self._pool(), self._epp_cluster()] if self.picker else [self._pool()]
+        bootstrap: dict[str, Any] = {"static_resources": {"listeners": [self._listener()], "clusters": clusters}}
+        if self.admin is not None:
+            bootstrap["admin"] = {"address": _address(*self.admin)}
+        return bootstrap
+
+    def _listener(self) -> dict[str, Any]:
+        """Every request to the pool, through the HTTP filters (`_http_filters`)."""
+        route = {
+            "cluster": "kvroute_pool",
+            # Streams last as long as generation does; the picker's idle timeout is the workers'.
+            "timeout": "0s",
+            "idle_timeout": "300s",
+            "retry_policy": self._retry_policy(),
+        }
+        return {
+            "name": "kvroute_gateway",
+            "address": _address(*self.listen),
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": _HCM,
+                    "stat_prefix": "kvroute_gateway",
+                    "route_config": {"name": "pool", "virtual_hosts": [{
+                        "name": "pool", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}],
+                    }]},
+                    "http_filters": self._http_filters(),
+                    "stream_idle_timeout": "300s",
+                },
+            }]}],
+        }  # fmt: skip
+
+    def _retry_policy(self) -> dict[str, Any]:
+        return {
+            # Failures before the response began: refused or reset connections, and a 5xx
+            # answer (as kvroute serve retries them), each on the picker's next endpoint.
+            "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+            "retriable_status_codes": [500, 502, 503, 504],
+            "num_retries": max(self.max_attempts - 1, 0),
+            "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
+        }
+
+    def _http_filters(self) -> list[dict[str, Any]]:
+        """The test header that sets the subset hint (`subset_header`), the picker (unless
+        `picker` is off), and the router."""
         http_filters: list[dict[str, Any]] = []
         if self.subset_header:
             http_filters.append({
@@ -142,7 +188,14 @@ class EnvoyBootstrap:
                     }],
                 },
             })  # fmt: skip
-        ext_proc = {
+        if self.picker:
+            http_filters.append(self._ext_proc_filter())
+        http_filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER, "suppress_envoy_headers": True}})
+        return http_filters
+
+    def _ext_proc_filter(self) -> dict[str, Any]:
+        """The picker, as Envoy's ext_proc filter: what it is sent of each request and answer."""
+        return {
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
                 "@type": _EXT_PROC,
@@ -168,45 +221,6 @@ class EnvoyBootstrap:
                 "response_attributes": ["upstream.address", "response.code_details"],
             },
         }  # fmt: skip
-        if self.picker:
-            http_filters.append(ext_proc)
-        http_filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER, "suppress_envoy_headers": True}})
-        retry = {
-            # Failures before the response began: refused or reset connections, and a 5xx
-            # answer (as kvroute serve retries them), each on the picker's next endpoint.
-            "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-status-codes",
-            "retriable_status_codes": [500, 502, 503, 504],
-            "num_retries": max(self.max_attempts - 1, 0),
-            "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
-        }
-        route = {
-            "cluster": "kvroute_pool",
-            # Streams last as long as generation does; the picker's idle timeout is the workers'.
-            "timeout": "0s",
-            "idle_timeout": "300s",
-            "retry_policy": retry,
-        }
-        listener = {
-            "name": "kvroute_gateway",
-            "address": _address(*self.listen),
-            "filter_chains": [{"filters": [{
-                "name": "envoy.filters.network.http_connection_manager",
-                "typed_config": {
-                    "@type": _HCM,
-                    "stat_prefix": "kvroute_gateway",
-                    "route_config": {"name": "pool", "virtual_hosts": [{
-                        "name": "pool", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}],
-                    }]},
-                    "http_filters": http_filters,
-                    "stream_idle_timeout": "300s",
-                },
-            }]}],
-        }  # fmt: skip
-        clusters = [self._pool(), self._epp_cluster()] if self.picker else [self._pool()]
-        bootstrap: dict[str, Any] = {"static_resources": {"listeners": [listener], "clusters": clusters}}
-        if self.admin is not None:
-            bootstrap["admin"] = {"address": _address(*self.admin)}
-        return bootstrap
 
     def request_mode(self) -> str:
         if self.request_body_mode is not None:

@@ -429,40 +429,15 @@ class Connection(asyncio.Protocol):
         if kind == DATA:
             self._data(flags, stream_id, payload)
         elif kind == HEADERS:
-            if flags & PADDED:
-                payload = payload[1 : len(payload) - payload[0]]
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            if flags & END_HEADERS:
-                self._headers(stream_id, flags, payload)
-            else:
-                self.headers_block = (stream_id, flags, bytearray(payload))
+            self._headers_frame(flags, stream_id, payload)
         elif kind == CONTINUATION:
-            if self.headers_block is None or self.headers_block[0] != stream_id:
-                self._goaway(PROTOCOL_ERROR)
-                return
-            self.headers_block[2].extend(payload)
-            if flags & END_HEADERS:
-                sid, first_flags, block = self.headers_block
-                self.headers_block = None
-                self._headers(sid, first_flags, bytes(block))
+            self._continuation(flags, stream_id, payload)
         elif kind == SETTINGS:
             if not flags & ACK:
                 self._settings(payload)
                 self._write(_frame(SETTINGS, ACK, 0))
         elif kind == WINDOW_UPDATE:
-            increment = _HEADER.unpack(payload)[0] & 0x7FFFFFFF
-            if stream_id == 0:
-                self.send_window += increment
-                for call in list(self.calls.values()):
-                    if call.pending:
-                        self._drain(call)
-            else:
-                call = self.calls.get(stream_id)
-                if call is not None:
-                    call.window += increment
-                    if call.pending:
-                        self._drain(call)
+            self._window_update(stream_id, _HEADER.unpack(payload)[0] & 0x7FFFFFFF)
         elif kind == PING:
             if not flags & ACK:
                 self._write(_frame(PING, ACK, 0, payload))
@@ -478,6 +453,44 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
         # PRIORITY, PUSH_PROMISE (never sent by clients) and unknown types: ignored.
+
+    def _headers_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        """A header block's first frame (without its padding and priority): decoded now if
+        it is the whole block, else kept until its CONTINUATION frames end it."""
+        if flags & PADDED:
+            payload = payload[1 : len(payload) - payload[0]]
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        if flags & END_HEADERS:
+            self._headers(stream_id, flags, payload)
+        else:
+            self.headers_block = (stream_id, flags, bytearray(payload))
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        """More of the header block being received (on its stream only)."""
+        if self.headers_block is None or self.headers_block[0] != stream_id:
+            self._goaway(PROTOCOL_ERROR)
+            return
+        self.headers_block[2].extend(payload)
+        if flags & END_HEADERS:
+            sid, first_flags, block = self.headers_block
+            self.headers_block = None
+            self._headers(sid, first_flags, bytes(block))
+
+    def _window_update(self, stream_id: int, increment: int) -> None:
+        """The client can take `increment` more bytes: on the connection (stream 0) or one
+        call. Calls with data waiting for the window send it now."""
+        if stream_id == 0:
+            self.send_window += increment
+            for call in list(self.calls.values()):
+                if call.pending:
+                    self._drain(call)
+        else:
+            call = self.calls.get(stream_id)
+            if call is not None:
+                call.window += increment
+                if call.pending:
+                    self._drain(call)
 
     def _settings(self, payload: bytes) -> None:
         for i in range(0, len(payload) - len(payload) % 6, 6):

@@ -203,10 +203,8 @@ class GatewayAttempt(Attempt):
 
     async def run(self, ex: Exchange) -> None:
         assert isinstance(ex, GatewayExchange)
-        proxy = self.proxy
         picker = ex.picker
-        loop = asyncio.get_running_loop()
-        self.sent_at = loop.time()
+        self.sent_at = asyncio.get_running_loop().time()
         self.endpoints = picker.endpoint_list(self.worker, ex)
         await ex.route(self.endpoints, self.worker, self.trace.propagation() if self.trace is not None else ())
         ex.started = True  # the gateway has the request: it answers the client from here
@@ -215,35 +213,19 @@ class GatewayAttempt(Attempt):
             raise Disconnected()
         status = _status(message)
         served_at = None if _own_reply(message) else m.served_endpoint(message)
-        served = picker.worker_at(served_at) if served_at is not None else None
-        moved = served is not None and served is not self.worker
         if served_at is None and status >= 500:
             # The gateway's own reply: no endpoint answered (every try failed, or timed out).
             await ex.gateway.send(m.response_headers_response([]))
             await self.failed(f"the gateway answered {status}", passive_down=False)
             await self._relay_rest(ex, message.response_headers.end_of_stream)
             return
-        # The gateway waits for this answer: it goes first, what the picker learns after.
-        name, reason = (served.name, "retry") if moved and served is not None else (self.worker.name, self.reason)
-        await ex.gateway.send(m.response_headers_response(_annotations(name, reason)))
-        if self.trace is not None:
-            self.trace.first_byte(ex, status, None, ex.stream and status == 200, exemplar=False)
-        if moved and served is not None:
-            await self._moved(ex, served)
-        worker = self.worker.name
-        tenants = proxy.metrics.tenants
-        if status in RETRYABLE_STATUS:
-            await self.failed(f"worker answered {status}", passive_down=False)
-        else:
-            proxy.metrics.requests.inc(worker, self.reason, str(status))
-            if tenants is not None:
-                tenants.request(ex.tenant, status)
+        await self._answer_headers(ex, status, picker.worker_at(served_at) if served_at is not None else None)
         ended = message.response_headers.end_of_stream or ex.response_mode == m.BODY_NONE
         if status in RETRYABLE_STATUS:
             await self._relay_rest(ex, ended)
             return
         relay = ex.stream and status == 200
-        learner = proxy.learner(ex, worker) if ex.kind == "responses" and status == 200 else None
+        learner = self.proxy.learner(ex, self.worker.name) if ex.kind == "responses" and status == 200 else None
         if ended:
             # No body comes to the picker (none, or the gateway does not send it): the
             # answer's first byte is as far as it can follow it.
@@ -254,6 +236,25 @@ class GatewayAttempt(Attempt):
             await self._observe_stream(ex, learner)
         else:
             await self._observe_whole(ex, status, learner)
+
+    async def _answer_headers(self, ex: GatewayExchange, status: int, served: Worker | None) -> None:
+        """The answer's headers, named with the worker that served it and why: the gateway
+        waits for them, so they go first, and what the picker learns after (a fallback that
+        served it, `_moved`; the status in the metrics)."""
+        moved = served is not None and served is not self.worker
+        name, reason = (served.name, "retry") if moved and served is not None else (self.worker.name, self.reason)
+        await ex.gateway.send(m.response_headers_response(_annotations(name, reason)))
+        if self.trace is not None:
+            self.trace.first_byte(ex, status, None, ex.stream and status == 200, exemplar=False)
+        if moved and served is not None:
+            await self._moved(ex, served)
+        if status in RETRYABLE_STATUS:
+            await self.failed(f"worker answered {status}", passive_down=False)
+            return
+        metrics = self.proxy.metrics
+        metrics.requests.inc(self.worker.name, self.reason, str(status))
+        if metrics.tenants is not None:
+            metrics.tenants.request(ex.tenant, status)
 
     async def _moved(self, ex: GatewayExchange, served: Worker) -> None:
         """The gateway's try on this worker failed before its first byte, and a fallback
@@ -568,16 +569,7 @@ class Picker:
         proxy = self.proxy
         path = scope["path"]
         try:
-            within = self.within(hint)
-            match = BY_ID_PATH.match(path)
-            if match is not None:
-                _, owner = await proxy.affinity.owner_of(match.group(1), proxy.fleet)
-                if within is not None and owner.name not in within:
-                    raise RouterError(503, "The response's owner is not among the endpoints the gateway allows.", "response_owner_unavailable")
-                names, reason = [owner.name], "pinned"
-            else:
-                routed = await proxy.decide({}, None, "", None, within=within)
-                names, reason = [routed.decision.worker, *routed.decision.ranking], routed.decision.reason
+            names, reason = await self._pass_through_route(path, self.within(hint))
         except RouterError as exc:
             proxy.metrics.rejected.inc(exc.code)
             await gateway.send(m.immediate_response(exc.status, exc.headers(), exc.body(api_of(path)), f"kvroute_{exc.code}"))
@@ -587,6 +579,24 @@ class Picker:
         set_headers, remove = self.forward_edits(scope["headers"], workers[0])
         mutation = m.route_headers(endpoints, None, set_headers, remove)
         await gateway.send(m.request_headers_response(mutation, m.destination_metadata(endpoints)))
+        await self._pass_unchanged(gateway, reason, request_mode, response_mode)
+
+    async def _pass_through_route(self, path: str, within: frozenset[str] | None) -> tuple[list[str], str]:
+        """(workers in order, route reason) for a pass-through request: a stored response's
+        owner, else the ranking of the least loaded."""
+        proxy = self.proxy
+        match = BY_ID_PATH.match(path)
+        if match is not None:
+            _, owner = await proxy.affinity.owner_of(match.group(1), proxy.fleet)
+            if within is not None and owner.name not in within:
+                raise RouterError(503, "The response's owner is not among the endpoints the gateway allows.", "response_owner_unavailable")
+            return [owner.name], "pinned"
+        routed = await proxy.decide({}, None, "", None, within=within)
+        return [routed.decision.worker, *routed.decision.ranking], routed.decision.reason
+
+    async def _pass_unchanged(self, gateway: Stream, reason: str, request_mode: int, response_mode: int) -> None:
+        """The rest of a pass-through request's stream: bodies and trailers let through, the
+        answer's headers named with the endpoint that served it."""
         while True:
             message = await gateway.read()
             if message is None:

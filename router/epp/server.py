@@ -25,10 +25,18 @@ import ssl
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.epp import require_epp_extra
 from router.epp.protocol import EXT_PROC_SERVICE
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from router.epp.h2grpc import GrpcServer
+    from router.epp.picker import Picker
+    from router.services import Services
+    from router.workers import Fleet
 
 log = logging.getLogger("kvroute.epp")
 
@@ -163,21 +171,12 @@ def _quiet_uvicorn() -> Any:
 
 async def serve(config: Any, environ: Mapping[str, str]) -> None:
     """Run the picker until SIGTERM or SIGINT."""
-    import uvicorn
-
-    from router.app import KvrouteApp
-    from router.epp.h2grpc import GrpcServer
-    from router.epp.picker import CallStream, Picker
+    from router.epp.picker import Picker
     from router.services import build_services, start_all, stop_all
 
     services = build_services(config, environ=environ)
-    picker = Picker(services.proxy, services.api_keys, services.tenants)
     health = Health()
-
-    async def process(call: Any) -> None:
-        await picker.process(CallStream(call))
-
-    server = GrpcServer({PROCESS: process, HEALTH_CHECK: health.check, HEALTH_WATCH: health.watch})
+    server = _grpc_server(Picker(services.proxy, services.api_keys, services.tenants), health)
     listen = config.epp.listen
     host, _, port = listen.rpartition(":")
     try:
@@ -192,25 +191,14 @@ async def serve(config: Any, environ: Mapping[str, str]) -> None:
     except OSError as exc:
         await stop_all(services.lifecycle)
         raise SystemExit(f"kvroute epp: cannot listen on {listen}: {exc.strerror}") from None
-    http = _quiet_uvicorn()(uvicorn.Config(
-        GatewayOnly(KvrouteApp(services)), host=config.server.host, port=config.server.port, loop="none",
-        http="httptools", lifespan="off", log_level=config.server.log_level, access_log=False, server_header=False,
-    ))  # fmt: skip
+    http = _http_server(config, services)
     http_task = asyncio.create_task(http.serve(), name="kvroute-epp-http")
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    stopping = _stopped_by_signals()
     log.info("kvroute epp: ext_proc on %s (%s), HTTP on %s:%d, %d workers, policy %s", listen,
              "TLS" if context is not None else "plaintext", config.server.host, config.server.port,
              len(services.fleet), services.policy.name)  # fmt: skip
     try:
-        while not stopping.is_set() and not http_task.done():
-            ready = services.fleet.any_serving()
-            for name in ("readiness", EXT_PROC_SERVICE):
-                health.set(name, ready)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stopping.wait(), READINESS_INTERVAL_S)
+        await _follow_readiness(services.fleet, health, stopping, http_task)
     finally:
         for name in ("readiness", EXT_PROC_SERVICE):
             health.set(name, False)
@@ -219,6 +207,49 @@ async def serve(config: Any, environ: Mapping[str, str]) -> None:
         with contextlib.suppress(Exception):
             await http_task
         await stop_all(services.lifecycle)
+
+
+def _grpc_server(picker: Picker, health: Health) -> GrpcServer:
+    """The gRPC side: Envoy's ext_proc `Process` (the picker) and the gRPC health protocol."""
+    from router.epp.h2grpc import GrpcServer
+    from router.epp.picker import CallStream
+
+    async def process(call: Any) -> None:
+        await picker.process(CallStream(call))
+
+    return GrpcServer({PROCESS: process, HEALTH_CHECK: health.check, HEALTH_WATCH: health.watch})
+
+
+def _http_server(config: Any, services: Services) -> uvicorn.Server:
+    """The HTTP side: the router's own endpoints (`GatewayOnly`), served by uvicorn in this loop."""
+    import uvicorn
+
+    from router.app import KvrouteApp
+
+    return _quiet_uvicorn()(uvicorn.Config(
+        GatewayOnly(KvrouteApp(services)), host=config.server.host, port=config.server.port, loop="none",
+        http="httptools", lifespan="off", log_level=config.server.log_level, access_log=False, server_header=False,
+    ))  # fmt: skip
+
+
+def _stopped_by_signals() -> asyncio.Event:
+    """An event SIGTERM and SIGINT set."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    return stopping
+
+
+async def _follow_readiness(fleet: Fleet, health: Health, stopping: asyncio.Event, http_task: asyncio.Task) -> None:
+    """Readiness (and the ext_proc service's status) follows the fleet, a worker serving or
+    none, until `stopping` is set or the HTTP server ends."""
+    while not stopping.is_set() and not http_task.done():
+        ready = fleet.any_serving()
+        for name in ("readiness", EXT_PROC_SERVICE):
+            health.set(name, ready)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopping.wait(), READINESS_INTERVAL_S)
 
 
 def cli(argv: list[str]) -> int:

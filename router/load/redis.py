@@ -54,6 +54,27 @@ class _Remote:
 class RedisLoadBoard(LocalLoadBoard):
     """`LoadBoard` whose snapshot counts every live replica's requests."""
 
+    replicas: int
+    """Live replicas (this one included) at the last sync: kept while Redis is away, for
+    the share of the tenant limits each replica enforces meanwhile."""
+    calibrator: Calibrator | None
+    """Learned cost models (router/calibration.py): their statistics ride on every
+    `cost_every`-th sync, and the other replicas' come back with it."""
+    ends: ServedEnds | None
+    """Where the prompts sent ended (cache_client/served_ends.py): each sync passes this
+    replica's new records on and takes in the others'."""
+    writes_events: bool
+    """This replica is the one that writes the workers' KV events to the shared index
+    (precise mode): the live replica with the smallest id at the last sync. Every replica
+    ingests the events into its local mirror; one writing them to Redis is enough (the
+    writes are the same), and N replicas writing them would be N times the write load. True
+    until the first sync says otherwise: a duplicate write is harmless, a missing one is
+    not."""
+    on_writer: list[Callable[[], None]]
+    """Called when this replica becomes the events' writer after another was: the index
+    pushes its mirror, which holds what was applied while nobody wrote (a writer that
+    died leaves its lease to run out first)."""
+
     def __init__(
         self,
         backend: RedisBackend,
@@ -81,27 +102,12 @@ class RedisLoadBoard(LocalLoadBoard):
         """One sync at a time: the background loop's and a caller's (the startup's first)
         would otherwise read the same stream position and both take in its records."""
         self.replicas = 1
-        """Live replicas (this one included) at the last sync: kept while Redis is away, for
-        the share of the tenant limits each replica enforces meanwhile."""
-        self.calibrator: Calibrator | None = None
-        """Learned cost models (router/calibration.py): their statistics ride on every
-        `cost_every`-th sync, and the other replicas' come back with it."""
+        self.calibrator = None
         self.cost_every = max(1, round(1.0 / sync_interval_s))
-        self.ends: ServedEnds | None = None
-        """Where the prompts sent ended (cache_client/served_ends.py): each sync passes this
-        replica's new records on and takes in the others'."""
+        self.ends = None
         self._ends_seen = "0-0"
         self.writes_events = True
-        """This replica is the one that writes the workers' KV events to the shared index
-        (precise mode): the live replica with the smallest id at the last sync. Every replica
-        ingests the events into its local mirror; one writing them to Redis is enough (the
-        writes are the same), and N replicas writing them was N times the write load. True
-        until the first sync says otherwise: a duplicate write is harmless, a missing one is
-        not."""
-        self.on_writer: list[Callable[[], None]] = []
-        """Called when this replica becomes the events' writer after another was: the index
-        pushes its mirror, which holds what was applied while nobody wrote (a writer that
-        died leaves its lease to run out first)."""
+        self.on_writer = []
         backend.on_close.append(self._leave)
         # Heartbeat from the moment Redis answers, not from this replica's first request:
         # other replicas (and operators) see every live replica.

@@ -318,13 +318,7 @@ class Admission:
         RouterError(429) when the queue is full or `deadline` (loop time) passes first.
         """
         if self._queued >= self.queue_size and not requeue:
-            # A fair queue makes room by refusing the newest waiter of the flow holding the
-            # most places, unless that is this request's own flow.
-            victim = self._waiters.make_room(flow)
-            if victim is None:
-                self.rejected_full += 1
-                raise self._overloaded("queue full")
-            victim.set_result(None)
+            self._make_room(flow)
         loop = asyncio.get_running_loop()
         remaining = deadline - loop.time()
         if remaining <= 0:
@@ -332,11 +326,35 @@ class Admission:
                 self._handoffs -= 1
             self.rejected_timeout += 1
             raise self._overloaded("no slot freed in time")
+        fut: asyncio.Future[bool | None] = loop.create_future()
+        self._enqueue(fut, flow, requeue=requeue, pass_on=pass_on, held_back=held_back)
+        await self._await_turn(fut, flow, remaining)
+        if fut.result() is None:
+            self.rejected_full += 1
+            raise self._overloaded("queue full")
+        if not _handed(fut):
+            self.rejected_timeout += 1
+            raise self._overloaded("no slot freed in time")
+
+    def _make_room(self, flow: Flow) -> None:
+        """The queue is full: a fair queue makes room by refusing the newest waiter of the
+        flow holding the most places, unless that is `flow` itself (then, as always with
+        FIFO, this request is refused)."""
+        victim = self._waiters.make_room(flow)
+        if victim is None:
+            self.rejected_full += 1
+            raise self._overloaded("queue full")
+        victim.set_result(None)
+
+    def _enqueue(
+        self, fut: asyncio.Future[bool | None], flow: Flow, *, requeue: bool, pass_on: bool, held_back: bool
+    ) -> None:
+        """`fut` joins the queue (at its head when `requeue`d); the slots it may take now are
+        handed out now (see `wait` for `pass_on` and `held_back`)."""
         if len(self._waiters) > 2 * self.queue_size + 16:
             # Futures that expired or were cancelled stay until popped; drop them now and
             # then so that the queue stays bounded even if no slot frees for a long time.
             self._waiters.compact()
-        fut: asyncio.Future[bool | None] = loop.create_future()
         self._queued += 1
         self._waiters.push(fut, flow, front=requeue)
         if self.activity is not None:
@@ -350,7 +368,11 @@ class Admission:
             self._handoffs -= 1
             if pass_on:
                 self.released(skip_first=not held_back)
-        timer = loop.call_later(remaining, _expire, fut)
+
+    async def _await_turn(self, fut: asyncio.Future[bool | None], flow: Flow, timeout_s: float) -> None:
+        """Until `fut` is settled: a slot handed over (True), the timeout (False), or evicted
+        to make room (None). A waiter not handed a slot leaves the queue here."""
+        timer = asyncio.get_running_loop().call_later(timeout_s, _expire, fut)
         try:
             await fut
         except asyncio.CancelledError:
@@ -369,12 +391,6 @@ class Admission:
                     fut.cancel()
                 self._queued -= 1
                 self._waiters.left(flow)
-        if fut.result() is None:
-            self.rejected_full += 1
-            raise self._overloaded("queue full")
-        if not _handed(fut):
-            self.rejected_timeout += 1
-            raise self._overloaded("no slot freed in time")
 
     def end_turn(self) -> None:
         """The woken request took its slot, or gave up."""

@@ -27,7 +27,7 @@ from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError, 
 from router.workers import Worker
 
 if TYPE_CHECKING:
-    from router.proxy.handler import Proxy
+    from router.proxy.context import AnswerLearner, ProxyContext
     from router.tracing import AttemptTrace
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
@@ -50,7 +50,7 @@ class Attempt:
     )  # fmt: skip
 
     def __init__(
-        self, proxy: Proxy, worker: Worker, reason: str, prefill_s: float,
+        self, proxy: ProxyContext, worker: Worker, reason: str, prefill_s: float,
         expected_s: float | None = None, modelled_s: float | None = None,
     ) -> None:  # fmt: skip
         """Claim `worker` for one try; its breaker has admitted the try (`begin()`).
@@ -164,7 +164,7 @@ class Attempt:
         s = proxy.settings
         deadlines = proxy.deadlines
         loop = asyncio.get_running_loop()
-        sent_at = self.sent_at = loop.time()
+        self.sent_at = loop.time()
         flight = deadlines.track(s.first_byte_timeout_s if ex.stream else (s.total_timeout_s or s.first_byte_timeout_s), s.total_timeout_s)
         try:
             # POST the payload and wait for the first body chunk of a stream, else the whole
@@ -195,45 +195,63 @@ class Attempt:
                 flight.extend(loop.time() + s.idle_timeout_s)
             else:
                 deadlines.done(flight)
-            if relay and ex.kind == "responses":
-                # A Responses stream opens with response.created before any prefill: the
-                # worker is healthy, but its prefill leaves the queue at the first output
-                # item (relay_stream), or busy workers would look idle.
-                self.worker.breaker.success()  # timed at the first output item (prefilled)
-                proxy.fleet.mark_ok(self.worker.name)
-            else:
-                self.first_byte_s = loop.time() - sent_at if relay else None
-                self.first_byte(self.first_byte_s)
-            tenants = proxy.metrics.tenants
-            if relay:
-                proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)
-                if tenants is not None:
-                    tenants.first_byte(ex.tenant, time.perf_counter() - ex.arrived)
-            if self.trace is not None:
-                self.trace.first_byte(ex, status, self.first_byte_s, relay)
+            self._answered(ex, status, relay)
+            self._count_answer(ex, status, relay, first)
             headers = response_headers(upstream.headers, self.worker.name, self.reason)
-            proxy.metrics.requests.inc(self.worker.name, self.reason, str(status))
-            if tenants is not None:
-                tenants.request(ex.tenant, status)
-                if not relay and status == 200:
-                    ex.generated = tenants.generated_in(ex.tenant, first)
-            ex.started = True
             learner = proxy.learner(ex, self.worker.name) if ex.kind == "responses" and status == 200 else None
-            if not relay:
-                if learner is not None:
-                    await learner.from_body(first)
-                if ex.recorded:  # the client's next turn may come at once, through another replica
-                    await proxy.index.written()
-                ex.finished = True
-                if self.trace is not None:
-                    self.trace.relayed("complete", None, first)
-                await send_whole(ex.send, status, headers, first)
-                return
-            await relay_stream(ex, self, headers, first, chunks, flight, learner)
+            if relay:
+                await relay_stream(ex, self, headers, first, chunks, flight, learner)
+            else:
+                await self._send_whole(ex, status, headers, first, learner)
         finally:
             deadlines.done(flight)
             if self.upstream is not None:
                 await self.upstream.aclose()
+
+    def _answered(self, ex: Exchange, status: int, relay: bool) -> None:
+        """The worker's first byte: the worker is healthy; a stream's time to it is measured."""
+        proxy = self.proxy
+        if relay and ex.kind == "responses":
+            # A Responses stream opens with response.created before any prefill: the
+            # worker is healthy, but its prefill leaves the queue at the first output
+            # item (relay_stream), or busy workers would look idle.
+            self.worker.breaker.success()  # timed at the first output item (prefilled)
+            proxy.fleet.mark_ok(self.worker.name)
+        else:
+            self.first_byte_s = asyncio.get_running_loop().time() - self.sent_at if relay else None
+            self.first_byte(self.first_byte_s)
+        if relay:
+            proxy.metrics.ttft.observe(time.perf_counter() - ex.arrived)
+            if proxy.metrics.tenants is not None:
+                proxy.metrics.tenants.first_byte(ex.tenant, time.perf_counter() - ex.arrived)
+        if self.trace is not None:
+            self.trace.first_byte(ex, status, self.first_byte_s, relay)
+
+    def _count_answer(self, ex: Exchange, status: int, relay: bool, first: bytes) -> None:
+        """The answer's status in the metrics (a whole answer's generated tokens too): from
+        here on the answer is the client's (`ex.started`)."""
+        metrics = self.proxy.metrics
+        metrics.requests.inc(self.worker.name, self.reason, str(status))
+        tenants = metrics.tenants
+        if tenants is not None:
+            tenants.request(ex.tenant, status)
+            if not relay and status == 200:
+                ex.generated = tenants.generated_in(ex.tenant, first)
+        ex.started = True
+
+    async def _send_whole(
+        self, ex: Exchange, status: int, headers: Headers, body: bytes, learner: AnswerLearner | None
+    ) -> None:
+        """A whole answer, sent once what it teaches is recorded: the client's next turn may
+        come at once, through another replica."""
+        if learner is not None:
+            await learner.from_body(body)
+        if ex.recorded:
+            await self.proxy.index.written()
+        ex.finished = True
+        if self.trace is not None:
+            self.trace.relayed("complete", None, body)
+        await send_whole(ex.send, status, headers, body)
 
     def _headers(self, ex: Exchange) -> Headers:
         """The request's headers for this worker: its trace context, its own credential."""

@@ -45,7 +45,6 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -54,14 +53,12 @@ from cache_client.redact import exc_summary
 from router.breaker import CLOSED
 from router.policies.disagg import NIXL, PD, PD_LOCAL, SHARED_STORAGE, DisaggSettings, PdPricing
 from router.proxy.attempt import RETRYABLE_STATUS, AttemptFailed
-from router.proxy.exchange import with_credential
+from router.proxy.exchange import Exchange, PdState, with_credential
 from router.proxy.upstream import Headers, UpstreamConnectError, UpstreamError
-from router.routing import PdPlan
 from router.workers import PREFILL, Worker
 
 if TYPE_CHECKING:
-    from router.proxy.exchange import Exchange
-    from router.proxy.handler import Proxy
+    from router.proxy.context import ProxyContext
     from router.routing import Routed
 
 log = logging.getLogger("kvroute.proxy")
@@ -175,31 +172,10 @@ class UsageRewrite:
         await self.send(message)
 
 
-@dataclass
-class PdState:
-    """One request's split, across its decode attempts."""
-
-    plan: PdPlan
-    payload: bytes
-    """The client's request as loaded (what a local prefill sends)."""
-    send: Any
-    """The client's own ASGI send."""
-    local: bool = False
-    """D prefills what it lacks: decided so, or no prefill worker gave params."""
-    params: dict[str, Any] | None = None
-    """P's params while P holds the blocks for this request; empty when P stored the KV
-    where every decode worker reads it (shared-storage: nothing to hand over)."""
-    held_at: float = 0.0
-    prefill_cached: int | None = None
-    delivered: bool = False
-    """`params` went to a decode attempt (whose end or abort frees P's blocks)."""
-    prefill_tried: set[str] = field(default_factory=set)
-
-
 class PdFlow:
     """The split of requests the decision disaggregates (module docstring)."""
 
-    def __init__(self, proxy: Proxy, settings: DisaggSettings, pricing: PdPricing) -> None:
+    def __init__(self, proxy: ProxyContext, settings: DisaggSettings, pricing: PdPricing) -> None:
         self.proxy = proxy
         self.settings = settings
         self.pricing = pricing
@@ -371,7 +347,7 @@ class PdFlow:
         if status != 200:
             return "rejected"
         if ex.choice is not None and (proxy.chains.records_on_route or ex.choice.chain.fallback):
-            await proxy._record(worker, ex.choice.chain)  # P's prefix cache keeps the prompt
+            await proxy.record_prefix(worker, ex.choice.chain)  # P's prefix cache keeps the prompt
         return self._held(st, body)
 
     def _held(self, st: PdState, body: bytes) -> str:

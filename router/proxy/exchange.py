@@ -5,11 +5,13 @@ moves on: the body as read, parsed, canonicalised and serialised once (`payload`
 bytes every attempt forwards), the headers to forward, the routing choice, the retry
 bookkeeping, and the flags the disconnect watcher and the error handlers read (`started`:
 the response has begun, so errors can no longer be answered with a status; `finished`: the
-last byte is being sent, so a disconnect now is no cancellation; `disconnected`).
+last byte is being sent, so a disconnect now is no cancellation; `disconnected`). In a
+disaggregated fleet it also carries its split between prefill and decode workers (`PdState`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -24,8 +26,7 @@ from router.requests import parse_body, validate
 
 if TYPE_CHECKING:
     from normalizer.canonical import NormalizeOptions
-    from router.proxy.disagg import PdState
-    from router.routing import Routed
+    from router.routing import PdPlan, Routed
     from router.tenants.enforce import Grant
     from router.tenants.model import Tenant
 
@@ -40,6 +41,28 @@ _DROP_REQUEST_HEADERS = frozenset(
         b"accept-encoding", b"authorization", b"cookie", b"x-api-key",
     }
 )
+
+
+@dataclass
+class PdState:
+    """One request's split between prefill and decode workers, across its decode attempts
+    (router/proxy/disagg.py's `PdFlow` fills it in)."""
+
+    plan: PdPlan
+    payload: bytes
+    """The client's request as loaded (what a local prefill sends)."""
+    send: Any
+    """The client's own ASGI send."""
+    local: bool = False
+    """D prefills what it lacks: decided so, or no prefill worker gave params."""
+    params: dict[str, Any] | None = None
+    """P's params while P holds the blocks for this request; empty when P stored the KV
+    where every decode worker reads it (shared-storage: nothing to hand over)."""
+    held_at: float = 0.0
+    prefill_cached: int | None = None
+    delivered: bool = False
+    """`params` went to a decode attempt (whose end or abort frees P's blocks)."""
+    prefill_tried: set[str] = field(default_factory=set)
 
 
 class Disconnected(Exception):
@@ -93,7 +116,7 @@ class Exchange:
         self.generated = 0
         """Generated tokens the answer's usage reported (with tenants: charged to the tenant)."""
         self.pd: PdState | None = None
-        """In a disaggregated fleet: its split across decode attempts (router/proxy/disagg.py)."""
+        """In a disaggregated fleet: its split across decode attempts (`PdState`)."""
         self.within: frozenset[str] | None = None
         """The workers it may go to, when a gateway narrows them (the endpoint picker's
         subset hint, router/epp); None: every candidate."""

@@ -109,12 +109,39 @@ class TenantLookup(Protocol):
 
 
 class Proxy:
+    """The request's outline (module docstring), over the router's parts: its stages
+    (attempt.py, relay.py, stateful.py, disagg.py) see it as a `ProxyContext`."""
+
     attempt_type: type[Attempt] = Attempt
     """What one try on one worker is: `Attempt` forwards it; the endpoint picker's
     (router/epp) answers its gateway with the worker and observes the gateway's answer."""
     pd: PdFlow | None = None
     """Splits requests between prefill and decode workers in a fleet with roles
     (router/proxy/disagg.py); None: every request goes whole to one worker."""
+    tracer: Tracer | None = None
+    """OpenTelemetry spans of each request (router/tracing.py); None: tracing off."""
+    client: UpstreamClient
+    """The forwarding client: the one given, or `settings.upstream_client`'s from `start()`."""
+    admission: Admission
+    """Per-worker in-flight limits and the wait queue (NoAdmission: no limits)."""
+    prefill_queue: PrefillQueue
+    """Holds requests while every worker has a full step of prefill queued (NoPrefillQueue: off)."""
+    tiers: Tiers
+    """The tiers besides the GPUs (pools, disks, remote): where a routed prefix is also
+    recorded."""
+    affinity: ResponsesAffinity
+    """Which worker stores each Responses-API response (router/proxy/stateful.py)."""
+    ends: ServedEnds | None
+    """Where the prompts sent to workers ended: which worker a request without a reply
+    continues (`RouteRequest.continues`). None when the policy reads no index."""
+    tenants: TenantLookup | None
+    """Tenants by client key (None: no tenants configured)."""
+    salter: CacheSalter | None
+    """With tenants: the `cache_salt` of each request's cache scope (router/tenants/salt.py)."""
+    limiter: TenantLimiter | None
+    """With tenants: their limits (router/tenants/enforce.py)."""
+    calibrator: Calibrator | None
+    """Learns each worker's costs from its answers (None: `--cost-learning off`)."""
 
     def __init__(
         self,
@@ -140,25 +167,6 @@ class Proxy:
         prefill_queue: PrefillQueue | None = None,
     ) -> None:
         self.settings = settings
-        self.prefill_queue: PrefillQueue = prefill_queue if prefill_queue is not None else NoPrefillQueue()
-        """Holds requests while every worker has a full step of prefill queued (NoPrefillQueue: off)."""
-        self.prefill_queue.free_workers = self._free_workers
-        self.limiter = limiter
-        """With tenants: their limits (router/tenants/enforce.py)."""
-        self.calibrator = calibrator
-        """Learns each worker's costs from its answers (None: `--cost-learning off`)."""
-        self.tenants = tenants
-        """Tenants by client key (None: no tenants configured)."""
-        self.salter = salter
-        """With tenants: the `cache_salt` of each request's cache scope (router/tenants/salt.py)."""
-        self.normalize = normalize if normalize is not None else NormalizeOptions()
-        self.tiers = tiers if tiers is not None else Tiers()
-        """The tiers besides the GPUs (pools, disks, remote): where a routed prefix is also
-        recorded."""
-        self.admission: Admission = admission if admission is not None else NoAdmission()
-        """Per-worker in-flight limits and the wait queue (NoAdmission: no limits)."""
-        if self.admission.activity is not None:
-            self.admission.bind_slots(self._fleet_slots)
         self.fleet = fleet
         self.index = index
         self.loads = loads
@@ -167,16 +175,18 @@ class Proxy:
         self.chains = chains
         self.metrics = metrics
         self._given_client = client
-        self.client: UpstreamClient = client if client is not None else _NOT_STARTED
-        """The forwarding client: the one given, or `settings.upstream_client`'s from `start()`."""
+        self.client = client if client is not None else _NOT_STARTED
         self.deadlines = Deadlines()
+        self.normalize = normalize if normalize is not None else NormalizeOptions()
+        self.tiers = tiers if tiers is not None else Tiers()
         self.affinity = affinity if affinity is not None else ResponsesAffinity(MemoryResponseOwners(), 3600.0)
-        """Which worker stores each Responses-API response (router/proxy/stateful.py)."""
         self.ends = ends if ends is not None else (ServedEnds() if policy.uses_index else None)
-        """Where the prompts sent to workers ended: which worker a request without a reply
-        continues (`RouteRequest.continues`). None when the policy reads no index."""
-        self.tracer: Tracer | None = None
-        """OpenTelemetry spans of each request (router/tracing.py); None: tracing off."""
+        self.tenants, self.salter, self.limiter, self.calibrator = tenants, salter, limiter, calibrator
+        self.admission = admission if admission is not None else NoAdmission()
+        if self.admission.activity is not None:
+            self.admission.bind_slots(self._fleet_slots)
+        self.prefill_queue = prefill_queue if prefill_queue is not None else NoPrefillQueue()
+        self.prefill_queue.free_workers = self._free_workers
 
     # -- ASGI entry ---------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -336,7 +346,7 @@ class Proxy:
         """A request continuing a stored response: its owner only (the owner lookup is the
         request's one round trip, in place of the index lookup)."""
         chain = self.chains.build(body, "responses")
-        decision, _ = await self.affinity.pin(self, response_id, chain)
+        decision, _ = await self.affinity.pin(response_id, chain, self.fleet, self.cost)
         loads = self.loads.snapshot([decision.worker])
         return _new_routed(Routed, (decision, chain, EMPTY_VIEW, loads))
 
@@ -377,7 +387,7 @@ class Proxy:
         to the end of its answer; each try is an `attempt_type` (the endpoint picker's
         answers its gateway instead of forwarding)."""
         if self.tracer is not None and not self.tracer.tracing(ex):
-            await self.tracer.request(self, ex)  # which calls `handle` again, inside its span
+            await self.tracer.request(self.handle, ex)  # `handle` again, inside its span
             return
         admission = self.admission
         first: Routed | None = None
@@ -504,23 +514,16 @@ class Proxy:
 
     async def _try_ranking(self, ex: Exchange, choice: Routed) -> _Outcome:
         """Offer the request to the ranked workers in order, one attempt each, until one answers."""
-        decision = choice.decision
-        chain = choice.chain
         admission = self.admission
-        limits_inflight = admission.limits_inflight
         max_attempts = self.settings.max_attempts
-        full = False
-        flow = NO_FLOW
-        light = False
+        flow, light = NO_FLOW, False
         if admission.activity is not None:
             flow = _flow(ex)
             light = admission.light(flow)
             if not admission.may_take(flow, holding_turn=ex.turn):
                 return "held"
-        ranking = [decision.worker, *decision.ranking]
-        if light:
-            ranking = admission.light_order(ranking, lambda: _no_dearer(decision))
-        for name in ranking:
+        full = False
+        for name in self._ranking(choice.decision, light):
             if ex.attempts >= max_attempts:
                 break
             if ex.disconnected:
@@ -530,40 +533,17 @@ class Proxy:
             worker = self.fleet.get(name)
             if worker is None or name in ex.tried or not worker.serving:
                 continue
-            if limits_inflight and not admission.room_for(name, self.loads.inflight(name), flow, light=light):
+            if admission.limits_inflight and not admission.room_for(name, self.loads.inflight(name), flow, light=light):
                 full = True
                 continue
             if not worker.breaker.begin():
                 continue
-            expected = _expected_first_token_s(choice, name, ex.stream)
-            routed_as = None
-            if decision.pd is not None and self.pd is not None:  # P's params first, or a local prefill
-                routed_as = await self.pd.prepare(ex, choice, worker)
-            if routed_as is not None:
-                attempt = self.attempt_type(self, worker, *routed_as, *expected)
-            elif name == decision.worker:
-                attempt = self.attempt_type(self, worker, decision.reason, decision.prefill_s, *expected)
-            else:
-                reason = "retry" if ex.attempts else "overload"
-                cost = self.loads.costs.get(name) or self.cost  # its own learned costs, if any
-                attempt = self.attempt_type(self, worker, reason, cost.prefill_s(0, chain.total_tokens), *expected)
-            if ex.turn:
-                admission.end_turn()
-                ex.turn = False
-            self._end_prefill_turn(ex)
-            ex.attempts += 1
-            ex.tried.add(name)
-            admission.took(flow)
-            if admission.activity is not None:
-                attempt.mark(flow, light=light, stream=ex.stream)
-            if ex.attempts == 1 and ex.tenant is not None:
-                admission.charge(_flow(ex), chain.total_tokens)  # its fair share: served now
-            if self.tracer is not None:
-                attempt.trace = self.tracer.attempt(ex, attempt)
+            attempt = await self._attempt_on(ex, choice, worker)
+            self._begin_attempt(ex, attempt, flow, light, choice.chain)
             # One try on one worker, inline rather than a coroutine of its own: every frame
             # between the task and the upstream read is re-entered on each chunk relayed.
             try:
-                await self.record_sent(ex, worker, chain)
+                await self.record_sent(ex, worker, choice.chain)
                 await attempt.run(ex)
                 return "answered"
             except AttemptFailed as exc:
@@ -577,6 +557,49 @@ class Proxy:
                 if attempt.trace is not None:
                     attempt.trace.close(ex)
         return "full" if full else "exhausted"
+
+    def _ranking(self, decision: RouteDecision, light: bool) -> list[str]:
+        """The workers to try, in order: the policy's choice, then its ranking; a light
+        tenant's request goes first where no prefill is in flight (`Admission.light_order`)."""
+        ranking = [decision.worker, *decision.ranking]
+        if light:
+            ranking = self.admission.light_order(ranking, lambda: _no_dearer(decision))
+        return ranking
+
+    async def _attempt_on(self, ex: Exchange, choice: Routed, worker: Worker) -> Attempt:
+        """The try of `ex` on `worker`, with its route reason and its predicted prefill there:
+        the decision's for its choice (a disaggregated request's after P's prefill, or for a
+        local one), else the whole prompt at the worker's own costs."""
+        decision = choice.decision
+        expected = _expected_first_token_s(choice, worker.name, ex.stream)
+        if decision.pd is not None and self.pd is not None:  # P's params first, or a local prefill
+            reason, prefill_s = await self.pd.prepare(ex, choice, worker)
+        elif worker.name == decision.worker:
+            reason, prefill_s = decision.reason, decision.prefill_s
+        else:
+            reason = "retry" if ex.attempts else "overload"
+            cost = self.loads.costs.get(worker.name) or self.cost  # its own learned costs, if any
+            prefill_s = cost.prefill_s(0, choice.chain.total_tokens)
+        return self.attempt_type(self, worker, reason, prefill_s, *expected)
+
+    def _begin_attempt(self, ex: Exchange, attempt: Attempt, flow: Flow, light: bool, chain: PrefixChain) -> None:
+        """The attempt is made: the turns the request held are used, the worker counts as
+        tried, the tenant's prefill is in flight (and served: its fair share is charged at
+        the first attempt), and the attempt gets its span."""
+        admission = self.admission
+        if ex.turn:
+            admission.end_turn()
+            ex.turn = False
+        self._end_prefill_turn(ex)
+        ex.attempts += 1
+        ex.tried.add(attempt.worker.name)
+        admission.took(flow)
+        if admission.activity is not None:
+            attempt.mark(flow, light=light, stream=ex.stream)
+        if ex.attempts == 1 and ex.tenant is not None:
+            admission.charge(_flow(ex), chain.total_tokens)
+        if self.tracer is not None:
+            attempt.trace = self.tracer.attempt(ex, attempt.worker.name, attempt.reason)
 
     async def _attempt_failed(self, ex: Exchange, attempt: Attempt, exc: AttemptFailed) -> None:
         """The worker failed before its first byte: count it; the next worker may try."""
@@ -613,10 +636,10 @@ class Proxy:
             if self.ends is not None:
                 self.ends.record(worker.name, chain)
             if self.chains.records_on_route or chain.fallback:
-                await self._record(worker, chain)
+                await self.record_prefix(worker, chain)
                 ex.recorded = True
 
-    async def _record(self, worker: Worker, chain: PrefixChain) -> None:
+    async def record_prefix(self, worker: Worker, chain: PrefixChain) -> None:
         """The prompt is now on `worker`'s GPU and, once its LMCache stores it, in the
         tiers it writes to (its node's pool and disk, the remote tier)."""
         key_tokens = key_tokens_of(chain.cum_tokens)

@@ -24,8 +24,7 @@ from router.proxy.exchange import Exchange, Headers
 from router.proxy.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from router.proxy.attempt import Attempt
-    from router.proxy.stateful import Learner
+    from router.proxy.context import AnswerLearner, RelayedAttempt
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -71,33 +70,24 @@ def token_events(chunk: bytes) -> int:
 
 
 async def relay_stream(
-    ex: Exchange, attempt: Attempt, headers: Headers, first: bytes, chunks: AsyncIterator[bytes], flight: Flight,
-    learner: Learner | None = None,
+    ex: Exchange, attempt: RelayedAttempt, headers: Headers, first: bytes, chunks: AsyncIterator[bytes],
+    flight: Flight, learner: AnswerLearner | None = None,
 ) -> None:
-    """`learner`: a `/v1/responses` stream, whose id is looked for in the chunks already sent."""
-    proxy = attempt.proxy
-    metrics = proxy.metrics
+    """The stream from `first` (its first chunk) on, to the client. The loop over the chunks
+    is here, not in a coroutine of its own: every frame between the task and the upstream
+    read is re-entered on each chunk. `learner`: a `/v1/responses` stream, whose id is
+    looked for in the chunks already sent."""
+    metrics = attempt.proxy.metrics
     send = ex.send
     loop = asyncio.get_running_loop()
-    idle = proxy.settings.idle_timeout_s
-    tail = b""
+    idle = attempt.proxy.settings.idle_timeout_s
     last = previous = first  # usage arrives in the last chunks: per-tenant generated tokens
     # Without usage (the client did not ask for it) the token events stand in for it.
-    trace = attempt.trace
-    counting = (metrics.tenants is not None or trace is not None) and ex.kind in COUNTED_KINDS
+    counting = (metrics.tenants is not None or attempt.trace is not None) and ex.kind in COUNTED_KINDS
     streamed = token_events(first) if counting else 0
-    how = "complete"  # how the stream ended, for its trace
+    how, tail = "complete", b""  # how the stream ended (for its trace), and its error event
     try:
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        if learner is not None:
-            learner.feed(first)
-        # A Responses stream's prefill is over at its first output item, not its first
-        # byte (response.created): see Attempt.run.
-        prefilling = ex.kind == "responses"
-        if prefilling and FIRST_OUTPUT in first:
-            prefilling = False
-            attempt.prefilled(loop.time())
+        prefilling = await _open_stream(ex, attempt, headers, first, learner)
         async for chunk in chunks:
             flight.extend(loop.time() + idle)
             if prefilling and FIRST_OUTPUT in chunk:
@@ -110,32 +100,68 @@ async def relay_stream(
             if learner is not None:
                 learner.feed(chunk)
     except asyncio.CancelledError:
-        if flight.expired is None:
-            if ex.disconnected:
-                raise
-            # Cancelled by the server: the graceful-shutdown grace period ran out. End
-            # the stream the way the client can parse rather than cutting it.
-            tail = stream_failed(metrics, "the router is shutting down", ex.kind)
-            ex.finished = True
-            if trace is not None:
-                trace.relayed("shutdown", attempt.first_byte_s, streamed=streamed)
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
+        if flight.expired is None:  # not a deadline: the client left, or the server stops
+            if not ex.disconnected:
+                await _end_on_shutdown(ex, attempt, streamed)
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
-        if flight.expired == "total":
-            how = "total_timeout"
-            tail = stream_failed(metrics, "the request exceeded its total timeout", ex.kind)
-        else:
-            how = "stalled"
-            attempt.interrupted("stream stalled")
-            tail = stream_failed(metrics, "the worker stopped sending (timeout)", ex.kind)
+        how, tail = _timed_out(ex, attempt, flight)
     except UpstreamError as exc:
         how = "worker_error"
         attempt.interrupted("stream broken")
         tail = stream_failed(metrics, f"the worker connection failed ({exc})", ex.kind)
-    proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
     usage = previous + last if previous is not last else last  # usage is in the last chunks
+    await _close_stream(ex, attempt, flight, learner, how, tail, usage, streamed)
+
+
+async def _open_stream(
+    ex: Exchange, attempt: RelayedAttempt, headers: Headers, first: bytes, learner: AnswerLearner | None
+) -> bool:
+    """Start the answer with the worker's headers and first chunk. True while a Responses
+    stream's prefill is not over: that is at its first output item, not its first byte
+    (response.created; see Attempt.run)."""
+    await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
+    await ex.send({"type": "http.response.body", "body": first, "more_body": True})
+    if learner is not None:
+        learner.feed(first)
+    prefilling = ex.kind == "responses"
+    if prefilling and FIRST_OUTPUT in first:
+        attempt.prefilled(asyncio.get_running_loop().time())
+        return False
+    return prefilling
+
+
+async def _end_on_shutdown(ex: Exchange, attempt: RelayedAttempt, streamed: int) -> None:
+    """Cancelled by the server: the graceful-shutdown grace period ran out. End the stream
+    the way the client can parse rather than cutting it."""
+    tail = stream_failed(attempt.proxy.metrics, "the router is shutting down", ex.kind)
+    ex.finished = True
+    if attempt.trace is not None:
+        attempt.trace.relayed("shutdown", attempt.first_byte_s, streamed=streamed)
+    with contextlib.suppress(Exception):
+        await ex.send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _timed_out(ex: Exchange, attempt: RelayedAttempt, flight: Flight) -> tuple[str, bytes]:
+    """A deadline cut the stream: how it ended, and its error event. A stall (the idle
+    timeout) is the worker's failure; the total timeout is the request's."""
+    metrics = attempt.proxy.metrics
+    if flight.expired == "total":
+        return "total_timeout", stream_failed(metrics, "the request exceeded its total timeout", ex.kind)
+    attempt.interrupted("stream stalled")
+    return "stalled", stream_failed(metrics, "the worker stopped sending (timeout)", ex.kind)
+
+
+async def _close_stream(
+    ex: Exchange, attempt: RelayedAttempt, flight: Flight, learner: AnswerLearner | None, how: str, tail: bytes,
+    usage: bytes, streamed: int,
+) -> None:  # fmt: skip
+    """What the stream taught (generated tokens, the response's owner, the cost model) is
+    recorded before its last byte, `tail` (an error event, or nothing), is sent: the
+    client's next request may follow at once, on another replica."""
+    proxy = attempt.proxy
+    metrics = proxy.metrics
+    proxy.deadlines.done(flight)  # the last send below must not be cancelled by a deadline
     if metrics.tenants is not None and not tail:
         ex.generated = metrics.tenants.generated_in(ex.tenant, usage, streamed)
     if learner is not None:
@@ -146,9 +172,9 @@ async def relay_stream(
         # The usage (cached tokens) is what this answer teaches the cost model.
         proxy.learn_cost(ex, attempt.worker.name, attempt.sent_at, attempt.first_byte_s, usage)
     ex.finished = True
-    if trace is not None:
-        trace.relayed(how, attempt.first_byte_s, usage, streamed)
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    if attempt.trace is not None:
+        attempt.trace.relayed(how, attempt.first_byte_s, usage, streamed)
+    await ex.send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 def stream_failed(metrics: RouterMetrics, why: str, kind: str | None = None) -> bytes:

@@ -37,8 +37,9 @@ from router.proxy.upstream import UpstreamError
 from router.routing import RouteDecision
 
 if TYPE_CHECKING:
-    from router.proxy.handler import Proxy
-    from router.workers import Worker
+    from router.cost import CostModel
+    from router.proxy.context import ProxyContext
+    from router.workers import Fleet, Worker
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -179,7 +180,7 @@ class ResponsesAffinity:
             return None
         return Learner(self, worker, prior_tokens + prompt_tokens)
 
-    async def owner_of(self, response_id: str, fleet: Any) -> tuple[OwnerRecord, Worker]:
+    async def owner_of(self, response_id: str, fleet: Fleet) -> tuple[OwnerRecord, Worker]:
         record = await self.owners.owner(response_id)
         if record is None:
             raise not_found(response_id)
@@ -188,18 +189,21 @@ class ResponsesAffinity:
             raise owner_unavailable(response_id)
         return record, worker
 
-    async def pin(self, proxy: Proxy, response_id: str, chain: PrefixChain) -> tuple[RouteDecision, OwnerRecord]:
-        """The decision for a request continuing `response_id`: its owner, nothing else to try."""
-        record, worker = await self.owner_of(response_id, proxy.fleet)
+    async def pin(
+        self, response_id: str, chain: PrefixChain, fleet: Fleet, cost: CostModel
+    ) -> tuple[RouteDecision, OwnerRecord]:
+        """The decision for a request continuing `response_id`: its owner in `fleet`, nothing
+        else to try; its prefill priced by `cost`."""
+        record, worker = await self.owner_of(response_id, fleet)
         total = record.tokens + chain.total_tokens
         decision = RouteDecision(
             worker=worker.name, reason="gpu_hit", cached_tokens=record.tokens,
-            prefill_s=proxy.cost.prefill_s(record.tokens, total),
+            prefill_s=cost.prefill_s(record.tokens, total),
         )
         return decision, record
 
     # -- GET/DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items --------------
-    async def by_id(self, proxy: Proxy, scope: dict, receive: Any, send: Any) -> None:
+    async def by_id(self, proxy: ProxyContext, scope: dict, receive: Any, send: Any) -> None:
         try:
             await self._by_id(proxy, scope, receive, send)
         except RouterError as exc:
@@ -210,7 +214,7 @@ class ResponsesAffinity:
             error = RouterError(500, "Internal router error.", "internal_error")
             await send_whole(send, 500, error.headers(), error.body())
 
-    async def _by_id(self, proxy: Proxy, scope: dict, receive: Any, send: Any) -> None:
+    async def _by_id(self, proxy: ProxyContext, scope: dict, receive: Any, send: Any) -> None:
         match = BY_ID_PATH.match(scope["path"])
         if match is None:
             raise RouterError(404, "Not Found.", "not_found")
