@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CALIBRATION_PATH = Path(__file__).resolve().parent.parent / "data" / "h200_kv_costs.json"
+CALIBRATION_PATH = Path(__file__).resolve().parent / "data" / "h200_kv_costs.json"
 
 HBM_BYTES = 143_771 * 2**20
 """Usable HBM of one H200 (nvidia-smi's figure for the 141 GB part)."""

@@ -8,8 +8,8 @@ import itertools
 
 import orjson
 
-from loadtests import tenant_limits
-from loadtests.tenant_limits import Flow, arrival_times, open_loop, prompt_of
+from loadtests.measure import tenant_limits
+from loadtests.measure.tenant_limits import Flow, arrival_times, open_loop, prompt_of
 from tests.support.upstream import RecordingUpstream
 
 

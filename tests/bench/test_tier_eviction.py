@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.tier_eviction import run_fleet
+from loadtests.measure.tier_eviction import run_fleet
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from loadtests.benchmark.trace_replay import late_binding_replay
+from loadtests.benchmark.traces import TraceRequest, _floors, ideal_ttft_s, replay_prompts
 from loadtests.sim.costs import build_cost_model
-from loadtests.trace_replay import late_binding_replay
-from loadtests.traces import TraceRequest, _floors, ideal_ttft_s, replay_prompts
 
 COST = build_cost_model()
 BUDGET = 8192

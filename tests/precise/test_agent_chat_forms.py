@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from loadtests.vllm_e2e import build_model
-from loadtests.vllm_e2e.cases import MESSAGES_CASES, RESPONSES_CASES, tokenizer_digest
+from loadtests.e2e.vllm import build_model
+from loadtests.e2e.vllm.cases import MESSAGES_CASES, RESPONSES_CASES, tokenizer_digest
 from normalizer import anthropic, responses
 from normalizer.vllm_hash import BlockHasher
 from router.precise import ModelTokenizer, PreciseChainBuilder

@@ -19,8 +19,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from cache_client.memory import MemoryIndex
-from loadtests.vllm_e2e import build_model
-from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_digest
+from loadtests.e2e.vllm import build_model
+from loadtests.e2e.vllm.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_digest
 from normalizer.vllm_hash import BlockHasher
 from router.precise import ModelTokenizer, PreciseChainBuilder, content_format
 

@@ -10,8 +10,8 @@ import time
 
 import httpx
 
-from loadtests.faults import RestartableWorker, chat, stream_one
-from loadtests.routerproc import RouterProcess
+from loadtests.e2e.faults import RestartableWorker, chat, stream_one
+from loadtests.support.routerproc import RouterProcess
 
 
 def test_sigkill_mid_load_then_restart() -> None:
