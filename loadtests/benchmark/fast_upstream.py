@@ -16,7 +16,7 @@ microseconds: what a benchmark then measures is the router in front of it. One p
 listens on several ports (one per simulated worker); several processes can share them
 (SO_REUSEPORT) if one core is not enough.
 
-    python -m loadtests.fast_upstream --port 9001 --port 9002 [--model fast-model] [--paced-ms 25]
+    python -m loadtests.benchmark.fast_upstream --port 9001 --port 9002 [--model fast-model] [--paced-ms 25]
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ async def serve(ports: list[int], host: str, model: str, paced_ms: float = DEFAU
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.fast_upstream", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtests.benchmark.fast_upstream", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, action="append", required=True, help="port to listen on (repeatable)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--model", default=DEFAULT_MODEL)

@@ -1,6 +1,6 @@
 """An independent client: GuideLLM drives the simulated cluster through kvroute.
 
-Our bench client (`loadtests.harness`) could share a blind spot with the router it
+Our bench client (`loadtests.benchmark.harness`) could share a blind spot with the router it
 measures, so this recipe reproduces the `seed` scenario's shape with GuideLLM
 (vLLM's load generator, PyPI `guidellm`), whose own synthetic multi-turn data, scheduler
 and statistics are independent of ours. See docs/guidellm.md.
@@ -285,7 +285,7 @@ def run_recipe(
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.guidellm_recipe", description="GuideLLM against the simulated cluster")
+    p = argparse.ArgumentParser(prog="python -m loadtests.benchmark.guidellm_recipe", description="GuideLLM against the simulated cluster")
     p.add_argument("--out", required=True)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=1.0)

@@ -633,7 +633,7 @@ async def drive(
     record_gaps: bool = False,
 ) -> RunOutcome:
     """Play the workload (see `Workload` for the timeline) and return every request's record,
-    sent through `api` (chat, responses or messages: see loadtests/agent_wire.py); with
+    sent through `api` (chat, responses or messages: see loadtests/benchmark/agent_wire.py); with
     `record_gaps`, also the measured requests' inter-token gaps (`RunOutcome.itl_gaps_s`)."""
     path, convert, reader = WIRE[api]
     loop = asyncio.get_running_loop()

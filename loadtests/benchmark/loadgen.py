@@ -10,7 +10,7 @@ Protocol with the harness (stdout, one line each): `warm` when the warm-up is ov
 measured window starts, `done` when it ends; then the JSON results, on stdout or in the `--out` file. Latency
 samples are returned raw (µs) so that several runs can be merged before taking percentiles.
 
-    python -m loadtests.loadgen --url http://127.0.0.1:9001 --concurrency 16 --duration 5 [--stream]
+    python -m loadtests.benchmark.loadgen --url http://127.0.0.1:9001 --concurrency 16 --duration 5 [--stream]
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.loadgen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtests.benchmark.loadgen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", action="append", required=True, help="base URL (repeatable: users spread over them)")
     parser.add_argument("--path", default="/v1/chat/completions")
     parser.add_argument("--model", default=DEFAULT_MODEL)

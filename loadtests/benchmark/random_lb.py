@@ -7,7 +7,7 @@ much survives depends on how many other conversations pass through the worker in
 so on the arrival rate. This module replays the reference sample of a scenario on the
 zero-load timeline with uniform random placement and one LRU prefix cache per worker, and
 finds the arrival rate at which a random load balancer's prefill work fills the fleet: the
-capacity the scenario's `load` is a fraction of (see `loadtests.workload.derive_rates`).
+capacity the scenario's `load` is a fraction of (see `loadtests.benchmark.workload.derive_rates`).
 
 Approximations (each favours the random balancer, so its capacity is if anything
 overstated and the scenario load understated):

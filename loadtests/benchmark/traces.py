@@ -328,7 +328,7 @@ def random_lb_speed(
     max_batched_tokens: int = ENGINE_TOKEN_BUDGET,
 ) -> dict[str, Any]:
     """The replay speed at which a random balancer's prefill work fills the fleet: a trace's
-    `--trace-speed auto`, derived as a scenario's load is (`loadtests.random_lb`).
+    `--trace-speed auto`, derived as a scenario's load is (`loadtests.benchmark.random_lb`).
 
     The window's requests, in order, each go to a uniformly random worker whose KV cache is
     an LRU of 512-token blocks (`kv_capacity_tokens` each); a request reuses the leading
@@ -415,7 +415,7 @@ def replay_references(
     floors: Sequence[float],
 ) -> dict[str, Any]:
     """The window replayed offline by a late-binding scheduler that sees every engine's
-    state (`loadtests.trace_replay`), with the pool and without: how close to the floor
+    state (`loadtests.benchmark.trace_replay`), with the pool and without: how close to the floor
     this fleet lets routing get, decodes, KV and batching included."""
     prompts = replay_prompts(trace.requests)
     floor = sum(floors) / len(floors) if floors else None
@@ -484,7 +484,7 @@ def markdown_lines(results: dict[str, Any]) -> tuple[list[str], list[str]]:
         pool, bare = replays["pool"], replays["no_pool"]
         lines += [
             "The window replayed offline on these engines by a late-binding scheduler that sees their state "
-            f"(loadtests/trace_replay.py; decodes, KV and batching included): with the pool mean {pool['mean_s']:.3f} s "
+            f"(loadtests/benchmark/trace_replay.py; decodes, KV and batching included): with the pool mean {pool['mean_s']:.3f} s "
             f"({pool['mean_over_floor']:.2f}× the floor), p99 {pool['p99_s']:.3f} s; without it {bare['mean_s']:.3f} s "
             f"({bare['mean_over_floor']:.2f}×), p99 {bare['p99_s']:.3f} s.",
             "",

@@ -24,7 +24,7 @@ Arrival rates are derived, not tuned: `ScenarioSpec.load` is the offered prefill
 fraction of the cluster's prefill capacity behind a *random load balancer* (the incident's
 baseline): each request recomputes what the worker it lands on does not hold, with the
 group's shared system prompt and tools cached everywhere, and with what a random
-placement over LRU caches of the workers' KV capacity keeps (`loadtests.random_lb`). The
+placement over LRU caches of the workers' KV capacity keeps (`loadtests.benchmark.random_lb`). The
 prefill work comes from the simulator's own cost model (`loadtests.sim.costs`) over a
 fixed reference sample of sessions; see `derive_rates` and docs/benchmark.md.
 """
@@ -780,7 +780,7 @@ class Rates:
     kv_capacity_tokens: int
     """Each worker's KV cache, which bounds what a random balancer's workers keep."""
     random_lb_reused_fraction: float
-    """Prompt tokens a random balancer finds cached at its capacity (`loadtests.random_lb`)."""
+    """Prompt tokens a random balancer finds cached at its capacity (`loadtests.benchmark.random_lb`)."""
     prefill_s_per_session_random_lb: float
     capacity_sessions_per_s_random_lb: float
     """The arrival rate at which a random balancer's prefill work fills the fleet; `load`
@@ -878,7 +878,7 @@ def derive_rates(
             "capacity = workers × 1 s of prefill per s ÷ prefill seconds per session (simulator cost model)",
             "cache-blind: each request recomputes everything but its group's tools + system prompt",
             "random_lb: uniform placement over per-worker LRU caches of kv_capacity_tokens, replayed "
-            "on the zero-load timeline; capacity where its prefill work fills the fleet (loadtests/random_lb.py)",
+            "on the zero-load timeline; capacity where its prefill work fills the fleet (loadtests/benchmark/random_lb.py)",
             f"arrival rate = load {load} × random_lb capacity",
         ],
     )
@@ -1026,7 +1026,7 @@ def _p99_session_span(scenario: ScenarioSpec, cost: CostModel) -> float:
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.workload", description="describe a bench scenario")
+    p = argparse.ArgumentParser(prog="python -m loadtests.benchmark.workload", description="describe a bench scenario")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="seed")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--profile", default=DEFAULT_PROFILE)

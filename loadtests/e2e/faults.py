@@ -1,6 +1,6 @@
 """Fault injection through the router in front of simulated workers, with JSON output.
 
-`python -m loadtests.faults --out DIR [--scenarios sigkill,faults,disconnect,overload]
+`python -m loadtests.e2e.faults --out DIR [--scenarios sigkill,faults,disconnect,overload]
 [--concurrency 300] [--quick]` writes DIR/faults.json; docs/reliability.md quotes it.
 
 * sigkill: single `kvroute sim-worker` processes; a few hundred concurrent streams; one
@@ -533,14 +533,14 @@ def run(coro: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.faults", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtests.e2e.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for faults.json")
     p.add_argument("--scenarios", default="sigkill,faults,disconnect,overload")
     p.add_argument("--concurrency", type=int, default=300, help="concurrent streams in the sigkill scenario")
     p.add_argument("--disconnects", type=int, default=60)
     p.add_argument("--quick", action="store_true", help="shorter runs")
     args = p.parse_args(argv)
-    require_bench_extra("python -m loadtests.faults", ("psutil",))
+    require_bench_extra("python -m loadtests.e2e.faults", ("psutil",))
     with stop_children_on_signals():
         return _run(args)
 

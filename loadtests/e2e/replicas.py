@@ -1,5 +1,5 @@
 """Throwaway Redis servers, Redis Clusters and router replicas on loopback, for the Redis
-tests and `loadtests.bench_index`.
+tests and `loadtests.measure.bench_index`.
 
 Every server here is our own `redis-server` child on a free port with its files in a
 temporary directory; nothing touches the system Redis at 127.0.0.1:6379.

@@ -1,7 +1,7 @@
 """Soak: minutes of mixed traffic through the router, with cancellations and worker
 restarts, watching the router process for leaks.
 
-`python -m loadtests.soak --minutes M --out DIR [--clients 32] [--workers 3]` writes
+`python -m loadtests.e2e.soak --minutes M --out DIR [--clients 32] [--workers 3]` writes
 DIR/soak.json.
 
 Traffic: multi-turn chat conversations (streaming and not) and completions from closed-loop
@@ -207,7 +207,7 @@ async def soak(minutes: float, clients: int, n_workers: int, restart_every_s: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtests.e2e.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--out", required=True)
     p.add_argument("--clients", type=int, default=32)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-every-s", type=float, default=30.0)
     p.add_argument("--sample-s", type=float, default=5.0)
     args = p.parse_args(argv)
-    require_bench_extra("python -m loadtests.soak", ("psutil",))
+    require_bench_extra("python -m loadtests.e2e.soak", ("psutil",))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with stop_children_on_signals():

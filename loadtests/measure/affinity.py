@@ -1,6 +1,6 @@
 """Conversation affinity and load spread through a router, measured from response headers.
 
-`python -m loadtests.affinity` runs the core issue's two checks against a fresh simulated
+`python -m loadtests.measure.affinity` runs the core issue's two checks against a fresh simulated
 cluster (3 workers, 20 conversations x 4 turns, interleaved) and prints JSON: once with a
 system prompt per conversation, once with one ~6,000-character prompt shared by all.
 `run_agent` plays one conversation turn after turn, alone or beside others (one

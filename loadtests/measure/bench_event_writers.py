@@ -1,6 +1,6 @@
 """Redis work of precise mode's KV-event writes with several router replicas (JSON on stdout).
 
-    python -m loadtests.bench_event_writers [--redis URL] [--replicas 4] [--batches 2000]
+    python -m loadtests.measure.bench_event_writers [--redis URL] [--replicas 4] [--batches 2000]
 
 Each replica receives every worker's KV events. The replicas here ingest the same batches
 (16 stored blocks each, and every fourth batch 4 of them evicted) into `RedisIndex`es that

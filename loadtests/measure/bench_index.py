@@ -1,6 +1,6 @@
-"""The Redis-backed shared index, measured: `python -m loadtests.bench_index --out DIR`.
+"""The Redis-backed shared index, measured: `python -m loadtests.measure.bench_index --out DIR`.
 
-    python -m loadtests.bench_index --out DIR [--parts lookup,memory,replicas,outage]
+    python -m loadtests.measure.bench_index --out DIR [--parts lookup,memory,replicas,outage]
         [--conversations N] [--turns T] [--outage-s S]
 
 Parts (each writes its section of DIR/bench_index.json; docs/redis.md summarizes them):
@@ -31,7 +31,7 @@ Parts (each writes its section of DIR/bench_index.json; docs/redis.md summarizes
              is killed (SIGKILL: its data is gone) for --outage-s seconds and restarted.
              Failed requests (acceptance: 0), and affinity before, during and after.
 
-Every Redis here is our own `redis-server` on a free loopback port (loadtests/replicas.py);
+Every Redis here is our own `redis-server` on a free loopback port (loadtests/e2e/replicas.py);
 workers are the simulator (`loadtests.sim.cluster.SimCluster`).
 """
 
@@ -494,7 +494,7 @@ def _environment() -> dict[str, Any]:
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_index", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtests.measure.bench_index", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--parts", default="lookup,long,media,memory,replicas,outage")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (replicas, outage)")

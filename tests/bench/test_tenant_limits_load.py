@@ -1,4 +1,4 @@
-"""The tenant benchmark's load generator (loadtests/tenant_limits.py), against a recording
+"""The tenant benchmark's load generator (loadtests/measure/tenant_limits.py), against a recording
 upstream: what it sends, not how fast."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A conversation evicted from its node continues on the other node from the remote tier
-(`python -m loadtests.tier_eviction`, on a fast clock): routed as a remote hit, loaded from
+(`python -m loadtests.measure.tier_eviction`, on a fast clock): routed as a remote hit, loaded from
 there by the worker; without a remote tier, a recompute."""
 
 from __future__ import annotations

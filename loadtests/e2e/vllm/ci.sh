@@ -24,7 +24,7 @@
 # reason pd, P given every prompt, and D's external prefix-cache hits exactly what the
 # connector loads of what P wrote; ~40 s, most of it the two workers' start). The TTFT
 # comparison with random is a benchmark, not a check:
-#   python -m loadtests.vllm_e2e.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
+#   python -m loadtests.e2e.vllm.run_e2e --ttft-benchmark --venv V --model M --out ttft.json
 # The tiny model runs in bfloat16 on CPUs with AVX-512 BF16 or AMX, in float32 elsewhere
 # (run_e2e.native_dtype; KVROUTE_E2E_ARGS="--dtype float32" chooses).
 # Writes the JSON report to $KVROUTE_E2E_REPORT (default: vllm-e2e-report.json in the

@@ -21,7 +21,7 @@ from its first scheduling to its first token) and the usage's cached tokens. Per
 Check: the learned marginal prefill cost per token within 25% of the engine's, at the
 median and at the 90th percentile of the prompts' lengths. Writes a JSON report.
 
-    python -m loadtests.vllm_e2e.cost_check --venv ~/.cache/kvroute/vllm-venv \\
+    python -m loadtests.e2e.vllm.cost_check --venv ~/.cache/kvroute/vllm-venv \\
         --model ~/.cache/kvroute/tiny-llama --out cost-check.json
 """
 

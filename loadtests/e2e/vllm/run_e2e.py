@@ -45,7 +45,7 @@ b. the multi-turn workload (12 live conversations with tools, scripted replies, 
 Writes a JSON report and exits non-zero if a check fails; SIGTERM or SIGINT stop every
 process it started (the report is still written).
 
-    python -m loadtests.vllm_e2e.run_e2e --venv ~/.cache/kvroute/vllm-venv \
+    python -m loadtests.e2e.vllm.run_e2e --venv ~/.cache/kvroute/vllm-venv \
         --model ~/.cache/kvroute/tiny-llama --out e2e-report.json [--ttft-benchmark]
 
 Idle workers only publish LMCache's pool events at their next engine step (vLLM drains the
@@ -314,7 +314,7 @@ class Stack:
     router: Proc | None = None
     router_port: int = 0
     worker_args: list[str] = field(default_factory=list)
-    """More vLLM flags for every worker (loadtests/tenants_e2e.py: usage's cached tokens)."""
+    """More vLLM flags for every worker (loadtests/e2e/vllm/tenants.py: usage's cached tokens)."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """More environment for every worker (phase `tracing`: its OpenTelemetry exporter's)."""
     trace_receiver: Any = None

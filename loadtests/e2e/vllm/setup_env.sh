@@ -2,7 +2,7 @@
 # Create (or reuse) the virtual environment with real vLLM (CPU build) and LMCache for the
 # precise-mode end-to-end test, and build the tiny test model into the cache directory.
 #
-#   loadtests/vllm_e2e/setup_env.sh            # venv at $KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv
+#   loadtests/e2e/vllm/setup_env.sh            # venv at $KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv
 #
 # Prints the venv path, the model path, the tiny vision-language model's path and the folder
 # of its extra packages (four lines: VENV=..., MODEL=..., VLM=..., VLM_SITE=...).

