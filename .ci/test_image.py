@@ -30,9 +30,9 @@ import httpx
 import pytest
 import yaml
 
-from loadtests.routerproc import free_port
 from loadtests.sim.cluster import SimWorkerProcess
 from loadtests.sim.worker import DEFAULT_MODEL
+from loadtests.support.routerproc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]  # type: ignore[index]

@@ -13,12 +13,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router"),
     "epp": ("router.epp.server", "run as a Gateway API Inference Extension endpoint picker"),
     "envoy-config": ("router.epp.envoy_config", "print an Envoy bootstrap that routes through kvroute epp"),
-    "demo": ("loadtests.demo", "simulated cluster + router + workload: random vs cache_aware TTFT"),
+    "demo": ("loadtests.e2e.demo", "simulated cluster + router + workload: random vs cache_aware TTFT"),
     "sim-worker": ("loadtests.sim.worker", "one simulated vLLM worker"),
     "sim-pool": ("loadtests.sim.pool", "the simulated shared LMCache CPU pool"),
     "sim-cluster": ("loadtests.sim.cluster", "a pool and N simulated workers in one process"),
-    "bench": ("loadtests.bench", "multi-turn benchmark of policies and peer routers"),
-    "bench-proxy": ("loadtests.bench_proxy", "router overhead and relay throughput benchmark"),
+    "bench": ("loadtests.benchmark.bench", "multi-turn benchmark of policies and peer routers"),
+    "bench-proxy": ("loadtests.benchmark.bench_proxy", "router overhead and relay throughput benchmark"),
 }
 
 

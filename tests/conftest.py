@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 
 if TYPE_CHECKING:
-    from loadtests.replicas import RedisClusterNodes
-    from loadtests.routerproc import RouterProcess
+    from loadtests.e2e.replicas import RedisClusterNodes
     from loadtests.sim.cluster import SimCluster
+    from loadtests.support.routerproc import RouterProcess
     from tests.support.upstream import RecordingUpstream
 
 T = TypeVar("T")
@@ -57,7 +57,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[SimCluster]:
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisClusterNodes]:
     """A real three-master Redis Cluster on free ports (never the system Redis)."""
-    from loadtests.replicas import RedisClusterNodes
+    from loadtests.e2e.replicas import RedisClusterNodes
 
     with RedisClusterNodes() as nodes:
         yield nodes
@@ -82,7 +82,7 @@ def router_workers(cluster: SimCluster) -> dict[str, str]:
 def router(request: pytest.FixtureRequest, router_workers: dict[str, str]) -> Iterator[RouterProcess]:
     """`kvroute serve` in a subprocess in front of `router_workers`;
     `pytest.mark.router_process(...)` gives RouterProcess's other arguments."""
-    from loadtests.routerproc import RouterProcess
+    from loadtests.support.routerproc import RouterProcess
 
     yield from started(request, "router_process", RouterProcess, router_workers)
 

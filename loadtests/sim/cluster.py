@@ -36,8 +36,6 @@ import time
 from types import TracebackType
 from typing import Any
 
-from loadtests.processes import spawn, stop_group
-from loadtests.routerproc import port_free
 from loadtests.sim.costs import DISK_GBYTES_S, REMOTE_GBPS
 from loadtests.sim.nixl import ROLES, NixlPeers
 from loadtests.sim.pool import (
@@ -55,6 +53,8 @@ from loadtests.sim.worker import (
     config_from_args,
     positive_float,
 )
+from loadtests.support.processes import spawn, stop_group
+from loadtests.support.routerproc import port_free
 
 
 def topology(workers: int, nodes: int) -> dict[str, list[str]]:

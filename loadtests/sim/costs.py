@@ -1,6 +1,6 @@
 """The simulated engine's cost model, derived from the shared H200 calibration.
 
-Source: `loadtests/data/h200_kv_costs.json` (one H200, bf16, random weights; see
+Source: `loadtests/sim/data/h200_kv_costs.json` (one H200, bf16, random weights; see
 `/work/shared/calibration/README.md`). It holds, for Llama-3-8B- and Qwen2.5-72B-shaped
 layers, the prefill time T(L) of a whole model over a prompt of L = 1k, 4k, 16k, 32k tokens,
 pinned host↔device copy bandwidth, and KV bytes per token. The derivation (numbers for both
@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CALIBRATION_PATH = Path(__file__).resolve().parent.parent / "data" / "h200_kv_costs.json"
+CALIBRATION_PATH = Path(__file__).resolve().parent / "data" / "h200_kv_costs.json"
 
 HBM_BYTES = 143_771 * 2**20
 """Usable HBM of one H200 (nvidia-smi's figure for the 141 GB part)."""

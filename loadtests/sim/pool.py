@@ -365,7 +365,7 @@ class LocalPoolClient:
     Not the default: tests/router/test_e2e.py's affinity checks run the cluster at time
     scale 0.02, where the HTTP pool's ~1 ms of wall time per lookup is 50 simulated ms, and
     with the instant pool cache_aware's follow-up affinity there fell to 0.82–0.88 (from
-    ≥ 0.95) in 3 of 4 runs. Not yet explained; see the issue notes."""
+    ≥ 0.95) in 3 of 4 runs, for a reason not yet found."""
 
     def __init__(self, store: ChunkStore | NodeStore) -> None:
         self.store_ = store if isinstance(store, NodeStore) else NodeStore(store)

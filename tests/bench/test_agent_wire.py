@@ -17,9 +17,15 @@ from typing import Any
 import orjson
 import pytest
 
-from loadtests.agent_wire import WIRE, messages_event, responses_event, to_messages, to_responses
-from loadtests.harness import RequestRecord, _stream_one, sse_data
-from loadtests.workload import SCENARIOS, Conversation, make_group, make_session
+from loadtests.benchmark.agent_wire import (
+    WIRE,
+    messages_event,
+    responses_event,
+    to_messages,
+    to_responses,
+)
+from loadtests.benchmark.harness import RequestRecord, _stream_one, sse_data
+from loadtests.benchmark.workload import SCENARIOS, Conversation, make_group, make_session
 from normalizer import anthropic, responses
 from router.proxy.upstream import RawUpstreamClient
 

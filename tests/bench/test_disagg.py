@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtests.bench import (
+from loadtests.benchmark.bench import (
     RunSetup,
     _kvroute_args,
     agg_comparison,
@@ -24,8 +24,8 @@ from loadtests.bench import (
     fleet_label,
     parse_entries,
 )
-from loadtests.harness import RequestRecord, RunOutcome, _stream_one
-from loadtests.peers import parse_peer, peer_command
+from loadtests.benchmark.harness import RequestRecord, RunOutcome, _stream_one
+from loadtests.benchmark.peers import parse_peer, peer_command
 from loadtests.sim.costs import DEFAULT_PROFILE
 from router.proxy.upstream import RawUpstreamClient
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
@@ -181,7 +181,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 
 
 def cli_run(out: Path) -> int:
-    from loadtests.bench import cli
+    from loadtests.benchmark.bench import cli
 
     return cli(
         [

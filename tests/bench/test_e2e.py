@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import cli
-from loadtests.workload import SCENARIOS, build_workload
+from loadtests.benchmark.bench import cli
+from loadtests.benchmark.workload import SCENARIOS, build_workload
 
 pytestmark = pytest.mark.slow
 

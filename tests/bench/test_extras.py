@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
         results[name] = call(main, [name, "--help"])
     results["bench"] = call(main, ["bench", "--scenario", "seed", "--out", out_dir + "/bench"])
     results["bench-proxy"] = call(main, ["bench-proxy", "--out", out_dir + "/proxy"])
-    from loadtests import faults, soak
+    from loadtests.e2e import faults, soak
 
     results["faults"] = call(faults.main, ["--out", out_dir + "/faults"])
     results["soak"] = call(soak.main, ["--out", out_dir + "/soak"])

@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.guidellm_recipe import guidellm_scenario, run_recipe, seed_shape, summarize_report
-from loadtests.workload import SCENARIOS, derive_rates
+from loadtests.benchmark.guidellm_recipe import (
+    guidellm_scenario,
+    run_recipe,
+    seed_shape,
+    summarize_report,
+)
+from loadtests.benchmark.workload import SCENARIOS, derive_rates
 
 
 def test_shape_mirrors_the_seed_scenario() -> None:

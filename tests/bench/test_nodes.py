@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import RunSetup, _kvroute_args, cli, parse_entries, tier_split
+from loadtests.benchmark.bench import RunSetup, _kvroute_args, cli, parse_entries, tier_split
 
 pytestmark = pytest.mark.slow
 

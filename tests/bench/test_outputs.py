@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import bench, plots
-from loadtests.harness import RequestRecord
+from loadtests.benchmark import bench, plots
+from loadtests.benchmark.harness import RequestRecord
 
 
 def _results() -> dict:

@@ -1,11 +1,11 @@
-"""`loadtests.pd_floor`: what any split decision must give up to meet an inter-token target,
+"""`loadtests.benchmark.pd_floor`: what any split decision must give up to meet an inter-token target,
 from an aggregated run's own requests."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests.pd_floor import split_floor
+from loadtests.benchmark.pd_floor import split_floor
 
 ROLES = {"w0": "prefill", "w1": "decode", "w2": "decode"}
 

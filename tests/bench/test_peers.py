@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests import peers
-from loadtests.peers import (
+from loadtests.benchmark import peers
+from loadtests.benchmark.peers import (
     PEERS,
     PeerRouter,
     ensure_installed,

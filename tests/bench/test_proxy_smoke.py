@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtests import bench_proxy
+from loadtests.benchmark import bench_proxy
 
 LEVEL_KEYS = ("added_p50_ms", "added_p99_ms", "req_per_s", "chunks_per_s", "cpu_s_per_1k", "errors", "rss_mb")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtests.bench import (
+from loadtests.benchmark.bench import (
     HARNESS_BODY_BYTES_PER_WALL_S,
     MIN_AUTO_TIME_SCALE,
     RunSetup,
@@ -23,9 +23,8 @@ from loadtests.bench import (
     cli,
     parse_entries,
 )
-from loadtests.screens import SCREEN_SIZES, Screenshot
-from loadtests.sim.costs import DEFAULT_PROFILE
-from loadtests.workload import (
+from loadtests.benchmark.screens import SCREEN_SIZES, Screenshot
+from loadtests.benchmark.workload import (
     REFERENCE_SEED,
     SCENARIOS,
     Conversation,
@@ -35,6 +34,7 @@ from loadtests.workload import (
     make_session,
     session_tokens,
 )
+from loadtests.sim.costs import DEFAULT_PROFILE
 from normalizer.canonical import canonicalize_body
 from normalizer.media import MediaReader, MediaSettings, qwen2_vl
 from normalizer.prefix import chat_prompt, prompt_bytes

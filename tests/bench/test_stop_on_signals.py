@@ -1,7 +1,7 @@
 """SIGTERM (or SIGINT) to a command that starts processes stops every one of them, its
 children's own children included, and the command exits with 128 + the signal.
 
-Each child runs in a process group of its own (loadtests/processes.py), so nothing but the
+Each child runs in a process group of its own (loadtests/support/processes.py), so nothing but the
 command itself can stop them: `bench-proxy` stopped by `timeout` used to leave its fast
 upstream and its routers running.
 """
@@ -26,7 +26,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 COMMAND = textwrap.dedent(
     """
     import sys, time
-    from loadtests.processes import spawn, stop_children_on_signals
+    from loadtests.support.processes import spawn, stop_children_on_signals
 
     # A child that forks a grandchild into its own group, like vLLM's engine core.
     family = "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"
@@ -98,7 +98,7 @@ def test_sigterm_stops_bench_proxy_with_its_upstream_router_and_load_generator(t
 
     def running(tree: list[psutil.Process]) -> bool:
         lines = [" ".join(p.cmdline()) for p in tree if p.is_running()]
-        return all(any(part in line for line in lines) for part in ("fast_upstream", "serve", "loadtests.loadgen"))
+        return all(any(part in line for line in lines) for part in ("fast_upstream", "serve", "loadtests.benchmark.loadgen"))
 
     tree = _descendants_once(proc, running, 120)
     _stop_and_check(proc, tree, signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""The tenant benchmark's load generator (loadtests/tenant_limits.py), against a recording
+"""The tenant benchmark's load generator (loadtests/measure/tenant_limits.py), against a recording
 upstream: what it sends, not how fast."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import itertools
 
 import orjson
 
-from loadtests import tenant_limits
-from loadtests.tenant_limits import Flow, arrival_times, open_loop, prompt_of
+from loadtests.measure import tenant_limits
+from loadtests.measure.tenant_limits import Flow, arrival_times, open_loop, prompt_of
 from tests.support.upstream import RecordingUpstream
 
 

@@ -1,12 +1,12 @@
 """A conversation evicted from its node continues on the other node from the remote tier
-(`python -m loadtests.tier_eviction`, on a fast clock): routed as a remote hit, loaded from
+(`python -m loadtests.measure.tier_eviction`, on a fast clock): routed as a remote hit, loaded from
 there by the worker; without a remote tier, a recompute."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests.tier_eviction import run_fleet
+from loadtests.measure.tier_eviction import run_fleet
 
 pytestmark = pytest.mark.slow
 

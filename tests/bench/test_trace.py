@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import cli
-from loadtests.sim.costs import build_cost_model
-from loadtests.traces import (
+from loadtests.benchmark.bench import cli
+from loadtests.benchmark.traces import (
     TRACE_BLOCK_BYTES,
     TraceRequest,
     block_text,
@@ -30,6 +29,7 @@ from loadtests.traces import (
     random_lb_speed,
     shared_dir,
 )
+from loadtests.sim.costs import build_cost_model
 from normalizer.prefix import chat_segments
 from router.chain import EstimateChainBuilder
 

@@ -1,13 +1,13 @@
-"""The late-binding replay (loadtests/trace_replay.py): a trace window on the simulator's own
+"""The late-binding replay (loadtests/benchmark/trace_replay.py): a trace window on the simulator's own
 engines, fed from one queue by a scheduler that sees their state."""
 
 from __future__ import annotations
 
 import pytest
 
+from loadtests.benchmark.trace_replay import late_binding_replay
+from loadtests.benchmark.traces import TraceRequest, _floors, ideal_ttft_s, replay_prompts
 from loadtests.sim.costs import build_cost_model
-from loadtests.trace_replay import late_binding_replay
-from loadtests.traces import TraceRequest, _floors, ideal_ttft_s, replay_prompts
 
 COST = build_cost_model()
 BUDGET = 8192

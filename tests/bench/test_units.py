@@ -10,7 +10,7 @@ from typing import cast
 import httpx
 import pytest
 
-from loadtests.bench import (
+from loadtests.benchmark.bench import (
     MAX_AUTO_TIME_SCALE,
     MIN_AUTO_TIME_SCALE,
     Entry,
@@ -21,7 +21,7 @@ from loadtests.bench import (
     parse_entries,
     summarize,
 )
-from loadtests.harness import (
+from loadtests.benchmark.harness import (
     QueueSampler,
     RequestRecord,
     RunOutcome,
@@ -33,8 +33,8 @@ from loadtests.harness import (
     process_trees,
     worker_hit_ratio,
 )
+from loadtests.benchmark.traces import ENGINE_TOKEN_BUDGET
 from loadtests.sim.costs import DEFAULT_PROFILE
-from loadtests.traces import ENGINE_TOKEN_BUDGET
 
 
 def test_cache_blind_policies_run_without_the_pool_unless_told() -> None:
@@ -189,7 +189,7 @@ def test_summary_figures_come_from_measured_requests_only() -> None:
 
 
 def test_moved_share_counts_later_turns_sent_away_from_their_previous_worker() -> None:
-    from loadtests.harness import moved_share
+    from loadtests.benchmark.harness import moved_share
 
     def turn(session: int, t: int, worker: str | None, measured: bool = True) -> RequestRecord:
         return RequestRecord(session, t, "answer", measured, float(t), 200 if worker else 502, worker=worker)
@@ -226,7 +226,7 @@ def test_comparison_ratios() -> None:
 
 
 def test_progress_bar_draws_only_when_enabled(capsys: pytest.CaptureFixture[str]) -> None:
-    from loadtests.bench import ProgressBar
+    from loadtests.benchmark.bench import ProgressBar
 
     info = {"sim_s": 45.0, "end_s": 90.0, "requests": 120, "ttft_p50_s": 0.05}
     off = ProgressBar(enabled=False)
@@ -241,7 +241,7 @@ def test_progress_bar_draws_only_when_enabled(capsys: pytest.CaptureFixture[str]
 
 
 def test_a_simulator_falling_behind_real_time_flags_the_run() -> None:
-    from loadtests.harness import sim_clock_ratio
+    from loadtests.benchmark.harness import sim_clock_ratio
 
     before = {"w0": {"sim:simulated_seconds": 10.0}, "w1": {"sim:simulated_seconds": 10.0}}
     after = {"w0": {"sim:simulated_seconds": 110.0}, "w1": {"sim:simulated_seconds": 90.0}}
@@ -278,8 +278,8 @@ def test_a_child_process_counts_for_its_own_name_not_its_parent() -> None:
 
 def test_cost_variants_speeds_and_speed_changes_parse() -> None:
     """The learned-cost bench options: policy@variant entries, --speeds, --speed-change."""
-    from loadtests.bench import parse_entries
-    from loadtests.cost_learning import cost_args, parse_speed_changes, parse_speeds
+    from loadtests.benchmark.bench import parse_entries
+    from loadtests.benchmark.cost_learning import cost_args, parse_speed_changes, parse_speeds
     from loadtests.sim.costs import build_cost_model
 
     entries = parse_entries("cache_aware@learned,cache_aware@exact-nopool,random@static", "")
@@ -305,7 +305,7 @@ def test_cost_variants_speeds_and_speed_changes_parse() -> None:
 
 
 def test_learned_costs_converge_from_the_first_sample_that_stays_within_tolerance() -> None:
-    from loadtests.cost_learning import learning_summary
+    from loadtests.benchmark.cost_learning import learning_summary
     from loadtests.sim.costs import build_cost_model
 
     cost = build_cost_model("h200-qwen2.5-72b-tp8")
@@ -334,10 +334,10 @@ def test_learned_costs_converge_from_the_first_sample_that_stays_within_toleranc
 
 
 def test_the_ideal_floor_bounds_the_mean_and_the_p99_from_below() -> None:
-    from loadtests.cost_learning import ideal_floor
+    from loadtests.benchmark.cost_learning import ideal_floor
+    from loadtests.benchmark.traces import ENGINE_TOKEN_BUDGET, ideal_ttft_s
+    from loadtests.benchmark.workload import SCENARIOS, build_workload, session_tokens
     from loadtests.sim.costs import build_cost_model
-    from loadtests.traces import ENGINE_TOKEN_BUDGET, ideal_ttft_s
-    from loadtests.workload import SCENARIOS, build_workload, session_tokens
 
     workload = build_workload(SCENARIOS["seed"], 3, 1.0, warmup_s=5, window_s=20)
     cost = build_cost_model("h200-llama3-8b")
@@ -363,8 +363,8 @@ def test_the_ideal_floor_bounds_the_mean_and_the_p99_from_below() -> None:
 
 
 def test_a_learned_router_is_compared_with_both_uncalibrated_ones_and_their_floor_bound() -> None:
-    from loadtests.cost_learning import comparison as cost_comparison
-    from loadtests.cost_learning import markdown_lines
+    from loadtests.benchmark.cost_learning import comparison as cost_comparison
+    from loadtests.benchmark.cost_learning import markdown_lines
 
     def r(mean: float, p99: float, floor_p99: float) -> dict:
         return {"kind": "kvroute", "ttft_mean_s": mean, "ttft_p99_s": p99, "ideal_floor_p99_s": floor_p99}
@@ -398,7 +398,7 @@ def test_capacity_search_brackets_the_limit_and_journals_every_probe(
 ) -> None:
     # The search against a router whose p99 crosses the SLO at 3 sessions/s (no cluster: the
     # run answers from that rule), each probe journalled as it ends.
-    from loadtests import bench
+    from loadtests.benchmark import bench
 
     probed: list[float] = []
 
@@ -427,7 +427,7 @@ def test_capacity_search_takes_the_base_run_and_repeats_a_flagged_probe_slower(
 ) -> None:
     # The entry's own run at the base rate is the search's first probe; a probe the host
     # could not keep up with (flagged at time scale 1) is repeated at 2, then trusted.
-    from loadtests import bench
+    from loadtests.benchmark import bench
 
     probed: list[tuple[float, float]] = []
     rates: list[float] = []
@@ -458,7 +458,7 @@ def test_capacity_search_repeats_a_probe_still_draining_its_cold_start_with_a_lo
     # At 4/s the 20 s warm-up does not absorb the cold start: the window's first half is 4x
     # its second and p99 misses the SLO; with 40 s it meets it. At 8/s the fleet is
     # overloaded (the second half is the worse): that verdict stands, once.
-    from loadtests import bench
+    from loadtests.benchmark import bench
 
     calls: list[tuple[float, float]] = []
     pending: list[tuple[float, float]] = []

@@ -9,9 +9,8 @@ import statistics
 import orjson
 import pytest
 
-from loadtests.random_lb import SessionShape, replay_random
-from loadtests.sim.costs import build_cost_model
-from loadtests.workload import (
+from loadtests.benchmark.random_lb import SessionShape, replay_random
+from loadtests.benchmark.workload import (
     CLIENT_STYLES,
     SCENARIOS,
     Conversation,
@@ -21,6 +20,7 @@ from loadtests.workload import (
     make_session,
     session_tokens,
 )
+from loadtests.sim.costs import build_cost_model
 from normalizer.canonical import canonicalize_body
 from normalizer.prefix import chat_segments
 

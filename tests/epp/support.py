@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.envoy import envoy_binary
+from loadtests.benchmark.envoy import envoy_binary
 
 
 def require_envoy() -> str:

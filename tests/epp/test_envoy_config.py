@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import router.epp
-from loadtests.envoy import envoy_binary
+from loadtests.benchmark.envoy import envoy_binary
 from router.cli import main
 from router.epp.envoy_config import EnvoyBootstrap
 from router.epp.protocol import (

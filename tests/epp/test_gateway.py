@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from loadtests.envoy import EnvoyPicker
-from loadtests.harness import metric_sum, parse_prometheus
+from loadtests.benchmark.envoy import EnvoyPicker
+from loadtests.benchmark.harness import metric_sum, parse_prometheus
 from loadtests.sim.cluster import SimCluster
 from tests.epp.support import require_envoy
 

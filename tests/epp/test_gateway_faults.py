@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests.envoy import EnvoyPicker, EnvoyProcess, PickerProcess, endpoints_of
-from loadtests.faults import RestartableWorker, chat, stream_one
-from loadtests.routerproc import free_port
+from loadtests.benchmark.envoy import EnvoyPicker, EnvoyProcess, PickerProcess, endpoints_of
+from loadtests.e2e.faults import RestartableWorker, chat, stream_one
+from loadtests.support.routerproc import free_port
 from router.epp.envoy_config import EnvoyBootstrap
 from tests.epp.support import require_envoy
 

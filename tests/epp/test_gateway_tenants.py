@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from loadtests.envoy import EnvoyPicker
-from loadtests.routerproc import RouterProcess
+from loadtests.benchmark.envoy import EnvoyPicker
+from loadtests.support.routerproc import RouterProcess
 from tests.epp.support import require_envoy
 from tests.support.upstream import RecordingUpstream
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadtests.routerproc import free_port
+from loadtests.support.routerproc import free_port
 from router.epp.h2grpc import GrpcServer
 from router.epp.server import Health, self_signed_certificate
 

@@ -10,7 +10,7 @@ import secrets
 import orjson
 import pytest
 
-from loadtests.otlp import OtlpReceiver
+from loadtests.support.otlp import OtlpReceiver
 from router.config_loader import flat_config
 from router.epp.picker import Picker
 from tests.epp.test_picker import (

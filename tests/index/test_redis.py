@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from cache_client.redis_conn import RedisBackend, RedisSettings, make_client, parse_redis_url
 from cache_client.redis_index import RedisIndex
-from loadtests.replicas import RedisServer
+from loadtests.e2e.replicas import RedisServer
 from router.app import build_app
 from router.config_loader import flat_config
 from router.metrics import RouterMetrics

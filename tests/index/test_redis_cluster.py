@@ -11,7 +11,7 @@ import pytest
 from redis.crc import key_slot
 
 from cache_client.redis_index import RedisIndex
-from loadtests.replicas import RedisClusterNodes
+from loadtests.e2e.replicas import RedisClusterNodes
 from router.config_loader import flat_config
 from router.load.redis import RedisLoadBoard
 from router.services import redis_components

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from cache_client.redis_conn import RedisBackend, parse_redis_url
-from loadtests.replicas import RedisServer
+from loadtests.e2e.replicas import RedisServer
 from router.load import LocalLoadBoard
 from router.load.redis import RedisLoadBoard
 from tests.support.system_redis import SYSTEM_REDIS

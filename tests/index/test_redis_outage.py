@@ -19,7 +19,7 @@ import pytest
 
 from cache_client.redis_conn import RedisBackend, parse_redis_url
 from cache_client.redis_index import RedisIndex
-from loadtests.replicas import RedisServer, free_ports
+from loadtests.e2e.replicas import RedisServer, free_ports
 from router.metrics import RouterMetrics
 from tests.support.wait import wait_for_async
 

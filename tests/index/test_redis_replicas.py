@@ -18,10 +18,16 @@ import orjson
 import pytest
 import redis
 
-from loadtests.harness import moves_from_previous_turn
-from loadtests.replicas import ConversationLoad, RedisServer, RouterReplicas, TurnResult, summarize
-from loadtests.routerproc import RouterProcess
+from loadtests.benchmark.harness import moves_from_previous_turn
+from loadtests.e2e.replicas import (
+    ConversationLoad,
+    RedisServer,
+    RouterReplicas,
+    TurnResult,
+    summarize,
+)
 from loadtests.sim.cluster import SimCluster
+from loadtests.support.routerproc import RouterProcess
 from tests.support.system_redis import SYSTEM_REDIS
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.sim_cluster(workers=4, time_scale=0.02)]

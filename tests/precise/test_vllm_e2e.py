@@ -1,8 +1,8 @@
 """Precise mode against real vLLM workers and a real LMCache pool (marker `vllm`).
 
-Runs only where the vLLM venv built by loadtests/vllm_e2e/setup_env.sh exists
+Runs only where the vLLM venv built by loadtests/e2e/vllm/setup_env.sh exists
 ($KVROUTE_VLLM_VENV or ~/.cache/kvroute/vllm-venv); CI builds it in its own stage
-(loadtests/vllm_e2e/ci.sh, which also runs the reuse check). By default this test runs the
+(loadtests/e2e/vllm/ci.sh, which also runs the reuse check). By default this test runs the
 sequential checks only (exactness against /tokenize, (a) prediction == engine reuse per
 request, (c) pool reuse after a drain, `nodes`: two LMCache servers as two nodes, pool hits
 predicted only where the node's server holds the prefix, `vlm`: image conversations on a
@@ -37,11 +37,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("tokenizers")
     env = {**os.environ, "KVROUTE_VLLM_VENV": str(VENV)}
     setup = subprocess.run(
-        [str(ROOT / "loadtests" / "vllm_e2e" / "setup_env.sh")], capture_output=True, text=True, env=env, check=True
+        [str(ROOT / "loadtests" / "e2e" / "vllm" / "setup_env.sh")], capture_output=True, text=True, env=env, check=True
     )
     paths = dict(line.split("=", 1) for line in setup.stdout.splitlines() if "=" in line)
     out = tmp_path_factory.mktemp("vllm") / "report.json"
-    cmd = [sys.executable, "-m", "loadtests.vllm_e2e.run_e2e", "--venv", paths["VENV"], "--model", paths["MODEL"],
+    cmd = [sys.executable, "-m", "loadtests.e2e.vllm.run_e2e", "--venv", paths["VENV"], "--model", paths["MODEL"],
            "--vlm-model", paths["VLM"], "--vlm-site", paths["VLM_SITE"], "--out", str(out)]
     if os.environ.get("KVROUTE_VLLM_E2E_FULL") == "1":
         cmd.append("--ttft-benchmark")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loadtests.vllm_e2e.run_e2e import (
+from loadtests.e2e.vllm.run_e2e import (
     BLOCK,
     CHECKS,
     LMCACHE_CHUNK,

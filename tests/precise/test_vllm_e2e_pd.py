@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from loadtests.vllm_e2e.pd_phase import TURNS, connector_config, expected_load, pd_verdict
-from loadtests.vllm_e2e.run_e2e import CHECKS, parse_args
+from loadtests.e2e.vllm.pd_phase import TURNS, connector_config, expected_load, pd_verdict
+from loadtests.e2e.vllm.run_e2e import CHECKS, parse_args
 
 BLOCK = 32
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from loadtests.vllm_e2e.build_vlm import (
+from loadtests.e2e.vllm.build_vlm import (
     CHAT_TEMPLATE,
     HEAD_DIM,
     PREPROCESSOR_CONFIG,
     QWEN2_VL_CONFIG,
     TOKEN_ID,
 )
-from loadtests.vllm_e2e.run_e2e import (
+from loadtests.e2e.vllm.run_e2e import (
     CHECKS,
     VLM_IMAGES,
     VLM_LIMIT_MM,

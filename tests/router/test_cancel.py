@@ -4,7 +4,7 @@ the request and frees its KV blocks, and the router's in-flight counts return to
 The simulated workers count the aborts they notice (`aborted` in `/sim/state`). Each case
 sends a request that would take seconds, drops the client, and expects the worker to see
 the abort long before the request could have finished. (The median delay is measured in
-loadtests/faults.py.)
+loadtests/e2e/faults.py.)
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.harness import parse_prometheus
-from loadtests.routerproc import RouterProcess
+from loadtests.benchmark.harness import parse_prometheus
+from loadtests.support.routerproc import RouterProcess
 
 TOKEN = "admin-token-for-tests-cost"
 AUTH = {"authorization": "Bearer " + TOKEN}

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.routerproc import RouterProcess
 from loadtests.sim.cluster import SimCluster
+from loadtests.support.routerproc import RouterProcess
 from tests.support.wait import wait_for
 
 MODEL = "sim-llama3-8b"
@@ -274,7 +274,7 @@ def test_a_client_leaving_during_the_decode_leaves_nothing_held(cluster: SimClus
 
 def test_a_traced_split_shows_the_prefill_beside_the_decode_attempt(cluster: SimCluster) -> None:
     pytest.importorskip("opentelemetry.sdk.trace")
-    from loadtests.otlp import OtlpReceiver
+    from loadtests.support.otlp import OtlpReceiver
 
     trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     with OtlpReceiver("http") as rx, router(cluster, "--pd-split", "always", "--otlp-endpoint", rx.endpoint) as r:

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from loadtests.affinity import SHARED_SYSTEM, own_system, run_conversations, shared_system
-from loadtests.routerproc import RouterProcess
+from loadtests.measure.affinity import SHARED_SYSTEM, own_system, run_conversations, shared_system
 from loadtests.sim.cluster import SimCluster
 from loadtests.sim.engine import BLOCK_SIZE
+from loadtests.support.routerproc import RouterProcess
 from normalizer.tokens import CHARS_PER_TOKEN
 from router.workers import parse_vllm_gauges
 

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 pytestmark = pytest.mark.router_process(policy="cache_aware", extra_args=["--max-body-bytes", "200000"])

@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from loadtests.routerproc import RouterProcess, free_port
+from loadtests.support.routerproc import RouterProcess, free_port
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CLIENT_KEY = "sk-client-leakcheck-5555"

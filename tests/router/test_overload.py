@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hi"}]}

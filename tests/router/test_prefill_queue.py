@@ -9,7 +9,7 @@ import threading
 import httpx
 import orjson
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from router.cost import CostModel
 from router.proxy.prefill_queue import PrefillQueue
 from router.routing import WorkerLoad

@@ -1,7 +1,7 @@
 """A worker SIGKILLed under load: requests that had not received a byte are retried and
 succeed, streams that had started end with an error event and [DONE], nothing is cut
 silently; the worker is re-admitted when it comes back on its port. (The few-hundred-stream
-version with its numbers is loadtests/faults.py's sigkill scenario.)"""
+version with its numbers is loadtests/e2e/faults.py's sigkill scenario.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import httpx
 
-from loadtests.faults import RestartableWorker, chat, stream_one
-from loadtests.routerproc import RouterProcess
+from loadtests.e2e.faults import RestartableWorker, chat, stream_one
+from loadtests.support.routerproc import RouterProcess
 
 
 def test_sigkill_mid_load_then_restart() -> None:

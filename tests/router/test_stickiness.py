@@ -16,9 +16,9 @@ import pytest
 from cache_client.base import IndexView, key_tokens_of
 from cache_client.memory import MemoryIndex
 from cache_client.served_ends import ServedEnds
-from loadtests.affinity import MODEL, AgentTurn, cached_tokens, own_system, run_agent
-from loadtests.routerproc import RouterProcess
+from loadtests.measure.affinity import MODEL, AgentTurn, cached_tokens, own_system, run_agent
 from loadtests.sim.cluster import SimCluster
+from loadtests.support.routerproc import RouterProcess
 from normalizer.prefix import PrefixChain
 from normalizer.vllm_hash import BlockHasher
 from router.app import build_app

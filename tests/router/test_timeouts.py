@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import httpx
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 
 CHAT = {"model": "rec-model", "messages": [{"role": "user", "content": "hello there"}]}

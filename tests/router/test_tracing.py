@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtests.otlp import OtlpReceiver, Span
-from loadtests.routerproc import RouterProcess
+from loadtests.support.otlp import OtlpReceiver, Span
+from loadtests.support.routerproc import RouterProcess
 from router.config_loader import load_config
 from router.tracing import TracingSettings, lookup_outcome, require_tracing_extra
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour

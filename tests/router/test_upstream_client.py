@@ -8,7 +8,7 @@ import asyncio
 import orjson
 import pytest
 
-from loadtests.routerproc import free_port
+from loadtests.support.routerproc import free_port
 from router.proxy.upstream import (
     RawUpstreamClient,
     UpstreamConnectError,

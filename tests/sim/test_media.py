@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.screens import screenshot_part
+from loadtests.benchmark.screens import screenshot_part
 from loadtests.sim.cluster import SimCluster
 from normalizer.media import MediaReader, MediaSettings, qwen2_vl
 from router.chain import EstimateChainBuilder

@@ -421,9 +421,9 @@ def test_pull_over_http_between_two_sim_worker_processes() -> None:
 def test_vllm_router_pd_mode_runs_on_the_simulated_fleet() -> None:
     """vllm-router's own P/D mode (NixlConnector flow) against the simulator: the peer the
     bench compares kvroute's disaggregation with."""
-    from loadtests.peers import PEERS, peer_env, peers_dir
-    from loadtests.processes import spawn, stop_group
-    from loadtests.routerproc import free_port
+    from loadtests.benchmark.peers import PEERS, peer_env, peers_dir
+    from loadtests.support.processes import spawn, stop_group
+    from loadtests.support.routerproc import free_port
 
     spec = PEERS["vllm-router"]
     exe = peers_dir() / spec.name / "bin" / spec.binary

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loadtests.routerproc import free_port
+from loadtests.support.routerproc import free_port
 
 
 @dataclass

@@ -20,9 +20,9 @@ import orjson
 import pytest
 import redis
 
-from loadtests.harness import metric_sum, parse_prometheus
-from loadtests.routerproc import RouterProcess
+from loadtests.benchmark.harness import metric_sum, parse_prometheus
 from loadtests.sim.cluster import SimCluster
+from loadtests.support.routerproc import RouterProcess
 from router.tenants.salt import derive_salt
 from tests.support.system_redis import SYSTEM_REDIS
 from tests.support.upstream import RecordingUpstream

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests.replicas import RedisServer
-from loadtests.routerproc import RouterProcess
+from loadtests.e2e.replicas import RedisServer
+from loadtests.support.routerproc import RouterProcess
 from tests.support.system_redis import SYSTEM_REDIS, delete_prefix
 from tests.support.upstream import RecordingUpstream, UpstreamBehaviour
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from loadtests.routerproc import RouterProcess
+from loadtests.support.routerproc import RouterProcess
 from router.serve import check_tenants, load_config
 from tests.support.upstream import RecordingUpstream
 

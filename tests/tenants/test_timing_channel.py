@@ -1,4 +1,4 @@
-"""The side-channel timing trial (loadtests/tenant_timing.py): its statistics, and a short
+"""The side-channel timing trial (loadtests/measure/tenant_timing.py): its statistics, and a short
 trial through two replicas sharing Redis in front of simulated workers. The timing verdict
 itself (probe against cold TTFT) is the loadtest's, measured on an idle machine: here only
 what does not depend on the machine's speed is asserted."""
@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests.sim.cluster import SimCluster
-from loadtests.tenant_timing import (
+from loadtests.measure.tenant_timing import (
     TENANTS,
     Backend,
     Sent,
@@ -24,6 +23,7 @@ from loadtests.tenant_timing import (
     run_rounds,
     summed_hits,
 )
+from loadtests.sim.cluster import SimCluster
 
 
 def test_auc_is_one_when_every_x_is_faster_and_a_half_for_the_same_samples() -> None:
