@@ -1,7 +1,7 @@
 """Conversation affinity and load spread through a router, measured from response headers.
 
-`python -m loadtests.measure.affinity` runs the two routing checks kvroute exists for (turns follow their conversation; load spreads) against a fresh simulated
-cluster (3 workers, 20 conversations x 4 turns, interleaved) and prints JSON: once with a
+`python -m loadtests.measure.affinity` runs the two routing checks kvroute exists for (turns
+follow their conversation; load spreads) against a fresh simulated cluster (3 workers, 20 conversations x 4 turns, interleaved) and prints JSON: once with a
 system prompt per conversation, once with one ~6,000-character prompt shared by all.
 `run_agent` plays one conversation turn after turn, alone or beside others (one
 agent against the router must keep its worker).
