@@ -504,7 +504,9 @@ def test_decode_worker_itl_stays_low_under_long_prompts() -> None:
                 fleet(client, lambda body, rid, first=None: disaggregated(client, p_url, d_url, body, "pd-" + rid, first)),
             )
 
-    with SimCluster(workers=3, time_scale=0.05, pool=False, roles="prefill:1,decode:1,both:1") as c:
+    # A quarter of real time: faster, a busy machine sends the first long prompt only after
+    # the decodes it should interrupt have finished.
+    with SimCluster(workers=3, time_scale=0.25, pool=False, roles="prefill:1,decode:1,both:1") as c:
         longs_both, longs_pd = asyncio.run(run(c))
         both, decode = state(c.worker_urls["w2"]), state(c.worker_urls["w1"])
     assert longs_both >= 1 and longs_pd >= 1
