@@ -236,7 +236,8 @@ def build_services(
         mode = build_precise(config.precise, fallback=estimate)
         chains = mode if mode is not None else estimate
     precise = chains if isinstance(chains, PreciseMode) else None
-    policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
+    routing = config.routing
+    policy = make_policy(routing.policy, routing.load_factor, routing.random_seed, routing.ablate)
     cost = config.cost.model()
     calibrator = None
     if config.cost.learning == "on":

@@ -46,10 +46,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from router.policies.weights import (
+    DEFAULT_ABS_SLACK,
+    DEFAULT_LOAD_FACTOR,
+    RECENT_HEADROOM,
+    REFERENCE_PROMPT_TOKENS,
+)
 from router.routing import WorkerLoad
-
-DEFAULT_LOAD_FACTOR = 1.25
-DEFAULT_ABS_SLACK = 4
 
 
 def within_bounds(
@@ -87,15 +90,12 @@ def within_bounds(
     def over(w: WorkerLoad) -> bool:
         f = share.get(w.name, 1.0)
         busy = w.inflight + 1 > load_factor * inflight_mean * f + 1 and w.inflight + 1 - least_inflight > abs_slack
-        recent_cap = (1 + 2 * (load_factor - 1)) * recent_mean * f + 1
+        recent_cap = (1 + RECENT_HEADROOM * (load_factor - 1)) * recent_mean * f + 1
         return busy or (w.recent + 1 > recent_cap and not quiet_home(w))
 
     eligible = [w for w in loads if not over(w)]
     # The least-loaded worker is always under the mean, so this only trips on float edge cases.
     return eligible or [min(loads, key=lambda w: (w.inflight, w.recent))]
-
-
-REFERENCE_PROMPT_TOKENS = 4096
 
 
 def speed_shares(loads: Sequence[WorkerLoad]) -> dict[str, float]:

@@ -80,38 +80,68 @@ fork inside it), have no home and are spread as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 from typing import ClassVar
 
 from cache_client.base import IndexView
 from cache_client.tiers import REMOTE, disk_location, pool_location
 from normalizer.prefix import PrefixChain
 from router.cost import CostModel, Held
-from router.policies.bounded import DEFAULT_LOAD_FACTOR, within_bounds
+from router.policies.bounded import within_bounds
+from router.policies.weights import (
+    BUSY_SHORTFALL,
+    DEFAULT_LOAD_FACTOR,
+    HYSTERESIS_STEPS,
+    SLOWER_WORKER_SLACK,
+)
 from router.routing import CandidateScore, RouteDecision, RouteRequest, WorkerLoad
 
 # Builds a CandidateScore from a plain tuple, skipping the NamedTuple's Python-level __new__:
 # one score is built per candidate on every request (measured: 0.2 µs less per candidate).
 _new_score = tuple.__new__
 
+TERMS = ("lag", "delay", "recompute", "hysteresis", "caps", "quiet_home", "slower_guard")
+"""The policy's terms, each of which `ablate` can switch off to measure what it is worth:
+`lag` (the measured lag in the own-TTFT term), `delay` (the Little's-law charge),
+`recompute` (the recompute charge), `hysteresis` (the step charged for leaving the best
+holder), `caps` (bounded loads), `quiet_home` (the caps' exemption for a quiet home),
+`slower_guard` (`own_time_guarded`)."""
+
+
+def check_ablate(terms: Collection[str]) -> frozenset[str]:
+    """`terms` as a set, if every one is a term of the policy (`TERMS`)."""
+    unknown = sorted(set(terms) - set(TERMS))
+    if unknown:
+        raise ValueError(f"unknown cache_aware terms {', '.join(unknown)}; known: {', '.join(TERMS)}")
+    return frozenset(terms)
+
 
 class CacheAwarePolicy:
     name: ClassVar[str] = "cache_aware"
     uses_index: ClassVar[bool] = True
 
-    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR) -> None:
+    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR, ablate: Collection[str] = ()) -> None:
+        """`ablate`: terms (`TERMS`) switched off, for measuring what each is worth."""
         self._load_factor = load_factor
+        self.ablate = check_ablate(ablate)
+        on = {t: t not in self.ablate for t in TERMS}
+        self._lag, self._caps, self._quiet_home, self._slower_guard = (
+            on["lag"], on["caps"], on["quiet_home"], on["slower_guard"]
+        )
+        # Multipliers of the score's charges: 1.0 on, 0.0 ablated (one multiply per candidate).
+        self._delay = float(on["delay"])
+        self._recompute = float(on["recompute"])
+        self._hysteresis_steps = HYSTERESIS_STEPS * on["hysteresis"]
 
     def choose(
         self, request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad], cost: CostModel
     ) -> RouteDecision:
+        if not self._lag:
+            loads = [replace(w, lag_s=0.0) for w in loads]
         chain = request.chain
         total = chain.total_tokens
-        if chain.reply_depth:
-            homes = {w.name for w in loads if view.depth(w.name) >= chain.reply_depth}
-        else:  # no reply names the previous turn: a prompt the router sent may
-            homes = {request.continues} if request.continues is not None else set()
-        eligible = {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
+        eligible = self._eligible(request, view, loads, cost)
 
         gpu_of = {w.name: chain.tokens_at_depth(view.depth(w.name)) for w in loads}
         held_of = _held(chain, view, loads, gpu_of)
@@ -121,7 +151,9 @@ class CacheAwarePolicy:
         # loads' job, and a copy made of it stays in use); one a candidate can copy from a
         # tier it reaches is no recompute there.
         second_gpu = sorted(gpu_of.values())[-2] if len(gpu_of) > 1 else 0
-        weight = recompute_weight(loads, cost.step_s)
+        weight = self._recompute * recompute_weight(loads, cost.step_s)
+        delay = self._delay
+        hysteresis_s = self._hysteresis_steps * cost.step_s
         scores: list[CandidateScore] = []
         for w in loads:
             gpu = gpu_of[w.name]
@@ -134,14 +166,17 @@ class CacheAwarePolicy:
             # Hysteresis: leaving the worker that holds most of the prefix must win a step.
             score = (
                 ttft
-                + prefill * w.prefilling
+                + delay * prefill * w.prefilling
                 + weight * w_cost.prefill_s(max(reuse.tokens, second_gpu), most_cached)
-                + (cost.step_s if gpu < most_cached else 0.0)
+                + (hysteresis_s if gpu < most_cached else 0.0)
             )
-            scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, reuse, prefill, ttft, w.name in eligible, w)))
+            within = eligible is None or w.name in eligible
+            scores.append(_new_score(CandidateScore, (score, w.recent, w.name, gpu, reuse, prefill, ttft, within, w)))
         scores.sort()  # best first (see CandidateScore)
 
-        chosen = own_time_guarded(next(s for s in scores if s.within_bound), scores, cost.step_s)
+        chosen = next(s for s in scores if s.within_bound)
+        if self._slower_guard:
+            chosen = own_time_guarded(chosen, scores, cost.step_s)
         reuse = chosen.reuse
         # Passing over a worker that reuses more of the prefix is a choice made for load
         # (its bound, or a queue longer than the recompute), not an index that knew nothing:
@@ -156,6 +191,26 @@ class CacheAwarePolicy:
             chosen.worker, reason, cached_tokens=reuse.tokens, reuse=reuse, prefill_s=chosen.prefill_s,
             ranking=ranking, scores=tuple(scores),
         )
+
+    def _eligible(
+        self, request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad], cost: CostModel
+    ) -> set[str] | None:
+        """The workers under the bounded-load caps (None: no caps)."""
+        if not self._caps:
+            return None
+        homes: set[str] = set()
+        if self._quiet_home:
+            homes = conversation_homes(request, view, loads)
+        return {w.name for w in within_bounds(loads, self._load_factor, homes=homes, quiet_prefill_s=cost.step_s)}
+
+
+def conversation_homes(request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad]) -> set[str]:
+    """The workers that served the previous turn of the request's conversation: those
+    holding the chain up to its last reply, else the worker a prompt it extends went to."""
+    depth = request.chain.reply_depth
+    if depth:
+        return {w.name for w in loads if view.depth(w.name) >= depth}
+    return {request.continues} if request.continues is not None else set()
 
 
 _HIT_REASON = {"none": "miss", "gpu": "gpu_hit", "pool": "pool_hit", "disk": "disk_hit", "remote": "remote_hit"}
@@ -177,12 +232,6 @@ def _held(chain: PrefixChain, view: IndexView, loads: Sequence[WorkerLoad], gpu_
             )
         held[w.name] = Held(gpu_of[w.name], tiers[0], tiers[1], remote)
     return held
-
-
-SLOWER_WORKER_SLACK = 0.25
-"""How much longer than its quickest placement on a faster worker, equally cached, a
-request may be made to wait on a slower one for the sake of others: a quarter (and at
-least one engine step)."""
 
 
 def own_time_guarded(chosen: CandidateScore, scores: Sequence[CandidateScore], step_s: float) -> CandidateScore:
@@ -220,5 +269,5 @@ def recompute_weight(loads: Sequence[WorkerLoad], busy_prefill_s: float) -> floa
     n = len(loads)
     if n == 0:
         return 0.0
-    busy = min(sum(1 for w in loads if w.queued_prefill_s >= busy_prefill_s), n - 0.5)
+    busy = min(sum(1 for w in loads if w.queued_prefill_s >= busy_prefill_s), n - BUSY_SHORTFALL)
     return busy / (n - busy)
