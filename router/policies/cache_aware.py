@@ -1,81 +1,33 @@
-"""Cache-aware routing: the lowest predicted time to first token, under bounded loads.
+"""Cache-aware routing: each request goes where it costs the fleet the least waiting.
 
-For each candidate: predicted TTFT (`CostModel.predicted_ttft_s`) = the prefill work already
-queued on it + the requests running on it × their share of each batch step + the prefill of
-the prompt tokens it does not hold (tokens held in the shared pool are charged their PCIe
-copy instead). The decision carries every candidate's numbers (`RouteDecision.scores`),
-which is what `/debug/route` shows. Like
-NVIDIA Dynamo's KV router, cache overlap and load are weighed in one currency, so a long
-cached conversation stays on its worker unless that worker's queue costs more than
-recomputing the conversation elsewhere.
+For a request r and each candidate worker w the policy prices, in seconds of waiting,
 
-Hot prefixes: a system prompt shared by every session is cached on whichever worker served
-it first and would make that worker the cheapest for everyone. Bounded loads cap each
-worker's share; spilled requests compute the prefix once on another worker, which then
-holds it too — the hot prefix is replicated exactly as far as load requires, while each
-conversation's own turns still follow its longer cached prefix. A conversation leaves the
-worker holding most of its prefix only for a predicted gain of more than one engine step
-(`CostModel.step_s`): smaller differences are noise in the router's view of the queues, and
-moving duplicates the conversation's KV on a second worker.
+    J(w) = T(w) + D(w) + F(w) + H(w)
 
-A placement also delays others: its prefill holds up every request that queues behind it
-on that worker, about as many as are queued there now (Little's law: requests waiting =
-arrival rate × wait). So a candidate's score adds its prefill of this request times the
-requests waiting there for their first byte (`WorkerLoad.prefilling`). With no queues this
-is zero and the score is the request's own TTFT; under load, recomputing a conversation on
-a less busy worker must save more than the work it adds to that worker's queue, which is
-what a single request's TTFT does not see (on the Mooncake conversation trace,
-greedy TTFT moved 151 of 193 continuing conversations and reused half of what the peers
-did; the fleet paid for the recomputes in queueing).
+* T(w) = Q_w + n_w·π + L_w + P_w: r's own time to first token (`CostModel.predicted_ttft_s`):
+  the prefill queued on w, its n running requests × the step time each adds, the lag by
+  which w runs behind these predictions (measured), and P_w, r's prefill of what w lacks
+  (a run a tier w reaches holds is charged its copy, not its prefill).
+* D(w) = P_w · k_w: the wait r's prefill adds to the k requests queued on w for a first
+  token; by Little's law about as many will queue behind r there.
+* F(w) = ρ/(1-ρ) · R_w: the wait r's recompute adds to later arrivals. R_w is the prefill of
+  the prompt tokens that w lacks and exactly one other worker holds (work done twice while
+  the copy there goes unused); ρ/(1-ρ) is how many requests an M/M/1 queue at the fleet's
+  busy share ρ holds (`recompute_weight`): 0 while nothing queues.
+* H(w) = one engine step if w holds less of the prompt than the best holder: differences
+  smaller than a step are below the model's resolution, and a move duplicates the KV.
 
-The queue figures are the router's model; the load board also measures how far behind it
-each worker runs (`WorkerLoad.lag_s`: how much longer than predicted its oldest streamed
-request has been waiting for a first token), and the predicted TTFT adds that lag. Seen
-at saturation (`seed` at 9.99 sessions/s): an engine whose KV is full admits a
-waiting request only as running ones finish, a wait the model does not see; the worker
-holding the shared system prompt looked cheapest for every new session, took 515 of the
-window's 1,645 requests and answered 10x later than predicted. Priced with its lag, the
-busiest worker took 328, and the run's mean TTFT fell from 0.79–1.13 s to 0.69 s.
+It sends r to the w of least J, within two bounds. Bounded loads (`bounded.within_bounds`)
+cap each worker's share of the requests while the fleet shows no queue for J to price (a
+hot system prompt makes its first holder cheapest for every new session); the worker that
+served the conversation's previous turn is exempt while it is quiet (`conversation_homes`).
+And on a fleet of mixed speeds the trade of r's own time for others' is bounded
+(`own_time_guarded`): a faster worker as well cached answers r instead when the choice
+would make it wait over a quarter longer there.
 
-Recomputing is also work the fleet does twice. Moving a conversation off its busy holder
-recomputes what the holder already has and leaves that copy unused; when the fleet is near
-saturation the work delays more than the requests queued at the new worker now: every
-request arriving before the fleet catches up waits for it. So a candidate is also charged
-the prefill of the tokens it lacks that exactly one worker holds (a conversation's own
-turns), weighted by ρ/(1-ρ), the number of requests an M/M/1 queue at utilisation ρ holds,
-with ρ the share of workers with at least one engine step of prefill queued
-(`recompute_weight`: 0 on a fleet without queues, so at low load nothing changes; 2W-1
-when every worker queues). A prefix that two or more workers hold, or the pool, is not
-charged: it is shared and replicated already (a hot system prompt), a further copy stays in
-use, and spreading it is the bounded loads' job. (Charging it too piled new sessions onto
-the first holders of a shared system prompt in a closed loop of 20 conversations on 3
-workers, and their later turns then moved: affinity 0.78–0.82.) Measured (the
-Mooncake conversation trace as completions without the pool, 8 workers at the speed where
-random saturates): the Little's-law charge alone moved 95–126 conversations holding 2k+
-tokens and reused 0.13–0.14 of the prompt tokens (the trace allows 0.204); with this charge
-0.167, and the mean TTFT fell from 1.67–1.75 s to 1.26 s: the moves looked right one
-request at a time and cost the fleet more than they saved.
-
-Those charges and the caps trade one request's time for the fleet's, and on a fleet of
-mixed speeds the trade has a bound (`own_time_guarded`): a request is not sent to a worker
-whose prefill of it is over a quarter longer than a faster one's, equally cached, when the
-faster one would answer it more than a quarter sooner. Without it the longest new prompts
-of a mixed fleet went to idle half-speed workers and were its tail.
-
-A conversation's home is a worker holding the prompt of its previous turn: while that
-worker's queues are negligible the recent-count cap does not move the conversation
-(`bounded.within_bounds`), however much of the recent traffic is the conversation's own.
-The previous turn is found
-* by its reply: a worker holding the chain up to `reply_depth` (the keys before the last
-  assistant message) served the turn that message answers;
-* else, for requests without one (completions agents resending a growing prompt, one-message
-  chat replays, precise token chains), by `RouteRequest.continues`: the worker a prompt
-  this request extends went to, if the index still shows it holding that prompt (the
-  proxy's memory of where the prompts it sent ended, `cache_client/served_ends.py`,
-  answers it before the decision: the policy itself keeps no state).
-A shared prefix is neither: new sessions on a hot system prompt carry no reply, extend no
-placed prompt (the first session's prompt went on past the shared part, so the sessions
-fork inside it), have no home and are spread as before.
+Every candidate's prices are on the decision (`RouteDecision.scores`, /debug/route). Each
+term can be switched off by name (`TERMS`, `--policy-ablate`) to measure what it is worth;
+docs/policy.md has the reasons behind each and the measurements.
 """
 
 from __future__ import annotations
@@ -237,18 +189,16 @@ def _held(chain: PrefixChain, view: IndexView, loads: Sequence[WorkerLoad], gpu_
 def own_time_guarded(chosen: CandidateScore, scores: Sequence[CandidateScore], step_s: float) -> CandidateScore:
     """`chosen`, unless a faster worker reusing as much of the prompt would answer it sooner.
 
-    The charges for others (the Little's-law delay, the recompute weight) and the caps
-    trade one request's time for the fleet's. On a fleet of mixed speeds that trade sent
-    the longest new prompts to idle workers at half speed, where they took twice their
-    prefill: a fast worker finishing one prefill doubled a long prompt's Little's-law
-    charge there, or sat over its in-flight cap with decodes that barely delay a prefill
-    (26 of the slowest 63 requests of five mixed-fleet runs). So on a worker
-    whose prefill of this request is more than `SLOWER_WORKER_SLACK` longer than another's
-    that reuses as much of it, the trade is bounded: the faster one with the lowest
-    predicted TTFT is taken instead when `chosen`'s TTFT is longer by more than that slack
-    and more than one engine step. Among workers of one speed the charges decide as before,
-    and moving a request to a worker holding more of it stays the caps' and the
-    hysteresis' call (they spread hot prefixes).
+    The charges for others (D and F) and the caps trade one request's time for the fleet's.
+    On a fleet of mixed speeds that trade can send a long new prompt to an idle worker at
+    half speed, where it takes twice its prefill: a fast worker finishing one prefill
+    doubles its Little's-law charge there, or sits over its in-flight cap with decodes that
+    barely delay a prefill. So where `chosen`'s prefill is more than `SLOWER_WORKER_SLACK`
+    longer than another candidate's that reuses as much of the prompt, the faster one with
+    the lowest predicted TTFT is taken instead when `chosen`'s TTFT is longer by more than
+    that slack and more than one engine step. Among workers of one speed the charges
+    decide, and moving a request to a worker holding more of it is the caps' and the
+    hysteresis' call.
     """
     reuse = chosen.reuse.tokens
     limit = chosen.prefill_s / (1 + SLOWER_WORKER_SLACK)
@@ -264,8 +214,8 @@ def own_time_guarded(chosen: CandidateScore, scores: Sequence[CandidateScore], s
 def recompute_weight(loads: Sequence[WorkerLoad], busy_prefill_s: float) -> float:
     """How many requests a second of recomputed prefill delays: ρ/(1-ρ), the mean number in
     an M/M/1 queue at utilisation ρ, where ρ is the share of workers with at least
-    `busy_prefill_s` (one engine step) of prefill queued. With every worker busy, ρ is taken
-    as half a worker short of full (2W-1 for W workers), the largest value W can show."""
+    `busy_prefill_s` (one engine step) of prefill queued. With every worker busy, ρ is
+    `BUSY_SHORTFALL` of a worker short of full (2W-1 for W workers)."""
     n = len(loads)
     if n == 0:
         return 0.0
