@@ -29,6 +29,7 @@ import orjson
 from cache_client.kv_events import CpuMedium
 from router.config import RouterConfig
 from router.policies import POLICIES
+from router.policies.cache_aware import TERMS
 from router.policies.disagg import CONNECTORS, SPLITS
 from router.workers import WorkerSpec, check_role, parse_worker_arg
 
@@ -62,6 +63,7 @@ FLAT_KEYS: dict[str, Slot] = {
         "remote_write_through", "responses_owner_ttl_s",
     ),
     **_same("routing", "load_factor", "recent_half_life_s", "random_seed"),
+    "policy_ablate": ("routing", "ablate"),
     **_prefixed(
         "cost", "cost_", "prefill_base_us", "prefill_ctx_ns", "pool_load_us", "inflight_penalty_ms", "step_ms", "learning",
         "disk_load_us", "remote_load_us",
@@ -124,6 +126,8 @@ HELP = {
     "policy": "routing policy",
     "random_seed": "random policy only: pick by a hash of this seed and the request's prefix, so the same "
     "request goes to the same worker in every run with this seed (common random numbers for benchmarks)",
+    "policy_ablate": "cache_aware only, for measuring: switch off these terms of the policy, comma-separated "
+    f"({', '.join(TERMS)}; see docs/policy.md)",
     "redis": "share the index through Redis: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... (TLS), "
     "redis+cluster://HOST:PORT[,HOST:PORT...] or ?cluster=true (Redis Cluster); see docs/redis.md",
     "redis_prefix": "key prefix (and Redis Cluster hash tag) of this deployment's index in Redis",
@@ -258,6 +262,8 @@ def build_parser(prog: str = "kvroute serve") -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "policy":
             parser.add_argument(flag, dest=name, choices=sorted(POLICIES), help=help_)
+        elif name == "policy_ablate":
+            parser.add_argument(flag, dest=name, help=help_)
         elif name == "cost_learning":
             parser.add_argument(flag, dest=name, choices=("on", "off"), help=help_)
         elif name == "pd_split":
@@ -286,6 +292,8 @@ def _coerce(slot: Slot, value: Any, env: Mapping[str, str]) -> Any:
     if name == "api_keys":
         items = [value] if isinstance(value, str) else list(value)
         return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
+    if name == "ablate":
+        return tuple(t.strip() for t in _items(value, ",") if t.strip())
     if name == "kv_events":  # an endpoint holds commas (",replay=..."): the variable is ;-separated
         return [str(v) for v in _items(value, ";") if v]
     if value is None:

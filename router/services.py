@@ -227,7 +227,9 @@ def build_services(
     metrics = metrics if metrics is not None else RouterMetrics()
     index, loads = _index_and_loads(config, metrics, index, loads)
     chains = chains if chains is not None else _chain_builder(config)
-    policy = make_policy(config.routing.policy, config.routing.load_factor, config.routing.random_seed)
+    policy = make_policy(
+        config.routing.policy, config.routing.load_factor, config.routing.random_seed, config.routing.ablate
+    )
     cost = config.cost.model()
     calibrator = _cost_learning(config, cost, loads, metrics)
     tenants = tenants if tenants is not None else TenantRegistry(config.tenants.file)

@@ -8,6 +8,13 @@
     kvroute bench --trace FILE [--trace-window START,MINUTES] [--trace-speed X] \
         [--api chat|completions] --policies ... [--peers ...] --out DIR
 
+Ablations. `cache_aware~TERM` is cache_aware with one of its terms switched off
+(`--policy-ablate TERM`; the terms are `router.policies.cache_aware.TERMS`, docs/policy.md),
+`cache_aware~T1~T2` with several; the suffixes follow it (`cache_aware~lag-nopool`).
+`--ablate TERM[,TERM...]|all` adds, after each cache_aware entry of `--policies` without
+one, an entry per term named so: `--policies cache_aware-nopool --ablate all` runs the full
+policy and each term removed, in one run.
+
 With `--via envoy`, kvroute entries receive the requests through Envoy asking `kvroute epp`
 where each goes (the Gateway API Inference Extension's picker protocol, loadtests/benchmark/envoy.py);
 `--via proxy,envoy` runs each both ways (through Envoy as NAME+envoy).
@@ -101,6 +108,7 @@ from loadtests.support.extras import require_bench_extra
 from loadtests.support.processes import stop_children_on_signals
 from loadtests.support.routerproc import RouterProcess
 from router.policies import POLICIES
+from router.policies.cache_aware import TERMS, check_ablate
 
 DEFAULT_POLICIES = "random,round_robin,least_loaded,cache_aware"
 CACHE_BLIND = frozenset({"random", "round_robin", "least_loaded"})
@@ -160,6 +168,8 @@ class Entry:
     """`NAME+agg` in a `--roles` run: the same workers all `both`, the router told no roles."""
     pd_args: tuple[str, ...] = ()
     """The P/D decision's settings of a `--roles` run's entry (`PD_SUFFIXES`)."""
+    ablate: tuple[str, ...] = ()
+    """cache_aware's terms switched off (`NAME~TERM`; kvroute's `--policy-ablate`)."""
 
 
 def _split_pool_suffix(item: str) -> tuple[str, bool | None]:
@@ -212,6 +222,36 @@ def _split_queue_suffix(item: str) -> tuple[str, int]:
     return base, int(tokens) if tokens else traces.ENGINE_TOKEN_BUDGET
 
 
+ABLATE_MARK = "~"
+ABLATED_POLICY = "cache_aware"
+
+
+def _split_ablate(name: str) -> tuple[str, tuple[str, ...]]:
+    """`cache_aware~lag~delay` → ("cache_aware", ("delay", "lag"))."""
+    policy, *terms = name.split(ABLATE_MARK)
+    if not terms:
+        return policy, ()
+    if policy != ABLATED_POLICY:
+        raise ValueError(f"{name}: only {ABLATED_POLICY} has terms to switch off")
+    return policy, tuple(sorted(check_ablate(terms)))
+
+
+def with_ablations(policies: str, ablate: str) -> str:
+    """`policies` with, after each cache_aware entry that switches nothing off, one entry per
+    term of `ablate` (comma-separated, or `all`: every term) with that term switched off."""
+    if not ablate:
+        return policies
+    terms = TERMS if ablate.strip() == "all" else tuple(t.strip() for t in ablate.split(",") if t.strip())
+    check_ablate(terms)
+    out: list[str] = []
+    for item in (p.strip() for p in policies.split(",") if p.strip()):
+        out.append(item)
+        rest = item.removeprefix(ABLATED_POLICY)
+        if item.startswith(ABLATED_POLICY) and (not rest or rest[0] in "@+-"):  # its suffixes, or none
+            out += [f"{ABLATED_POLICY}{ABLATE_MARK}{term}{rest}" for term in terms]
+    return ",".join(out)
+
+
 def parse_entries(policies: str, peers: str) -> list[Entry]:
     entries: list[Entry] = []
     for item in (p.strip() for p in policies.split(",") if p.strip()):
@@ -223,13 +263,15 @@ def parse_entries(policies: str, peers: str) -> list[Entry]:
         one_pool = named.endswith(ONE_POOL_SUFFIX)
         base, queue = _split_queue_suffix(named.removesuffix(ONE_POOL_SUFFIX))
         name, variant = cost_learning.split_variant(base)
+        name, ablate = _split_ablate(name)
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         default = name not in CACHE_BLIND
         pool = default if pool is None else pool
         key = (named if pool == default else raw) + pd_key + (AGG_SUFFIX if agg else "")
         entries.append(
-            Entry(key, "kvroute", name, None, pool, variant, queue, one_pool, aggregated=agg, pd_args=pd_args)
+            Entry(key, "kvroute", name, None, pool, variant, queue, one_pool, aggregated=agg, pd_args=pd_args,
+                  ablate=ablate)
         )  # fmt: skip
     for item in (p.strip() for p in peers.split(",") if p.strip()):
         raw, agg = _split_agg_suffix(item)
@@ -364,6 +406,8 @@ def _kvroute_args(setup: RunSetup, entry: Entry) -> list[str]:
         args += [] if entry.aggregated else list(entry.pd_args)
     if entry.prefill_queue:
         args += ["--prefill-queue-tokens", str(entry.prefill_queue)]
+    if entry.ablate:
+        args += ["--policy-ablate", ",".join(entry.ablate)]
     if entry.cost is not None:
         return args + cost_learning.cost_args(entry.cost, build_cost_model(setup.profile), setup.time_scale)
     if setup.profile != DEFAULT_PROFILE:
@@ -660,6 +704,7 @@ def summarize(
         "policy": entry.policy,
         "peer": entry.peer,
         "pool": entry.pool,
+        **({"ablate": list(entry.ablate)} if entry.ablate else {}),
         "requests_measured": len(measured),
         "requests_failed": sum(1 for r in measured if r.error is not None and not r.censored),
         "ttft_censored": sum(1 for r in measured if r.censored),
@@ -1019,7 +1064,12 @@ def _plots(out: Path, results: dict[str, Any], records: dict[str, list[harness.R
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="seed")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool, NAME+queue (with the prefill queue; NAME+queueN: its mark at N tokens)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="kvroute policies, optionally NAME+pool / NAME-nopool, NAME+queue (with the prefill queue; NAME+queueN: its mark at N tokens), cache_aware~TERM (that term switched off; see --ablate)")
+    p.add_argument(
+        "--ablate", default="",
+        help="TERM[,TERM...] or all: after each cache_aware entry, one entry per term with that term of the policy "
+        f"switched off, named cache_aware~TERM (any entry may also be named so); terms: {', '.join(TERMS)}",
+    )  # fmt: skip
     p.add_argument("--peers", default="", help=f"peer routers: {', '.join(PEERS)} (or vllm-router/consistent_hash)")
     p.add_argument("--find-capacity", action="store_true", help="bisect each router's capacity at the SLO")
     p.add_argument("--slo-p99-ttft", type=float, default=2.0, help="p99 TTFT SLO in simulated seconds (capacity)")
@@ -1097,7 +1147,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    entries = envoy.with_via(parse_entries(args.policies, args.peers), envoy.parse_via(args.via))
+    entries = envoy.with_via(parse_entries(with_ablations(args.policies, args.ablate), args.peers), envoy.parse_via(args.via))
     speeds = cost_learning.parse_speeds(args.speeds, args.workers)
     scenario = SCENARIOS[args.scenario]
     cost = build_cost_model(args.profile)
@@ -1297,7 +1347,7 @@ def check_roles(args: argparse.Namespace, entries: list[Entry]) -> None:
 def cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        entries = parse_entries(args.policies, args.peers)
+        entries = parse_entries(with_ablations(args.policies, args.ablate), args.peers)
         envoy.parse_via(args.via)
         if args.nodes < 1 or args.workers % args.nodes:
             raise ValueError(f"--workers {args.workers} must split evenly over --nodes {args.nodes}")
@@ -1321,6 +1371,9 @@ def cli(argv: list[str]) -> int:
             return 2
     elif args.trace_window:
         print("kvroute bench: --trace-window applies to --trace", file=sys.stderr)
+        return 2
+    elif args.find_capacity and SCENARIOS[args.scenario].sequential:
+        print(f"kvroute bench: --scenario {args.scenario} plays one session at a time: it has no arrival rate to search", file=sys.stderr)
         return 2
     elif args.api not in SCENARIO_API_PATHS:
         print(f"kvroute bench: --api {args.api} applies to --trace; a scenario is sent as {', '.join(SCENARIO_API_PATHS)}", file=sys.stderr)

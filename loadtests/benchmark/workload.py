@@ -130,6 +130,10 @@ class ScenarioSpec:
     """The served model's image rule (normalizer/media.py), given as `--image-rule` to the
     simulated workers and to kvroute alike, so that both count an image's tokens as the
     workload's derivation does (None: neither is told; both use `auto`)."""
+    sequential: bool = False
+    """One session at a time instead of Poisson arrivals: each starts a person's think time
+    (`user_think_s`) after the previous one's zero-load timeline ends, from time 0, with no
+    sessions under way before it (`build_workload`); `load` is then unused."""
 
 
 SCENARIOS: dict[str, ScenarioSpec] = {
@@ -253,6 +257,36 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         screenshot_bytes=300_000,
         screenshot_repeat_share=0.2,
         image_rule="qwen2_vl",  # the family computer-use agents (UI-TARS) are built on
+    ),
+    # One agent alone on the fleet: a long coding session (several tasks of many tool calls
+    # each, contexts growing past 20k tokens), then another, never two at once. Whatever
+    # the policy does for a crowded fleet must not cost a lone conversation its cache: its
+    # worker is always the least queued, and its own turns are all the recent traffic.
+    "lone-agent": ScenarioSpec(
+        name="lone-agent",
+        description="one agent session at a time: long multi-turn conversations in sequence on an idle fleet",
+        groups=1,
+        group_skew=0.0,
+        system_prompt_bytes=LogNormal(9_000, 0.0, 9_000, 9_000),
+        tools_per_group=(12, 12),
+        extra_tasks_mean=2.0,
+        max_tasks=4,
+        tool_steps_mean=8.0,
+        min_tool_steps=3,
+        max_tool_steps=16,
+        user_message_bytes=LogNormal(500, 0.8, 60, 6_000),
+        attachment_probability=0.3,
+        attachment_bytes=LogNormal(8_000, 0.7, 1_000, 40_000),
+        tool_result_bytes=LogNormal(2_400, 1.0, 80, 48_000),
+        tool_call_tokens=LogNormal(60, 0.6, 16, 300),
+        answer_tokens=LogNormal(350, 0.6, 80, 1_200),
+        tool_think_s=LogNormal(1.5, 0.8, 0.1, 20.0),
+        user_think_s=LogNormal(5.0, 0.5, 1.0, 20.0),
+        load=1.0,
+        warmup_s=5.0,
+        window_s=90.0,
+        grace_s=20.0,
+        sequential=True,
     ),
 }
 
@@ -847,8 +881,9 @@ def derive_rates(
     # One GPU (or TP group) does one second of prefill work per second.
     cap_blind, cap_ideal = workers / blind_per, workers / ideal_per
     random_lb = _random_lb_capacity(scenario, cost, workers, kv_capacity, shapes, cap_blind, cap_ideal)
-    rate = load * random_lb.rate_per_s
     mean_duration = sum(durations) / n
+    # Sequential sessions: one at a time, each lasting its zero-load duration.
+    rate = 1.0 / mean_duration if scenario.sequential else load * random_lb.rate_per_s
     finals.sort()
     return Rates(
         scenario=scenario.name,
@@ -879,7 +914,9 @@ def derive_rates(
             "cache-blind: each request recomputes everything but its group's tools + system prompt",
             "random_lb: uniform placement over per-worker LRU caches of kv_capacity_tokens, replayed "
             "on the zero-load timeline; capacity where its prefill work fills the fleet (loadtests/benchmark/random_lb.py)",
-            f"arrival rate = load {load} × random_lb capacity",
+            "arrival rate = one session at a time: 1 ÷ the mean session duration"
+            if scenario.sequential
+            else f"arrival rate = load {load} × random_lb capacity",
         ],
     )
 
@@ -977,6 +1014,9 @@ def build_workload(
     grace = scenario.grace_s if grace_s is None else grace_s
     groups = {g: make_group(seed, scenario, g) for g in range(scenario.groups)}
     rng = random.Random(f"{seed}:{scenario.name}:arrivals")
+    if scenario.sequential:
+        sessions = _sequential_sessions(scenario, seed, groups, warmup + window, cost, rng)
+        return Workload(scenario, seed, rate_per_s, groups, sessions, warmup, window, grace, 0.0)
     prepop = _p99_session_span(scenario, cost) if prepopulate else 0.0
     sessions: list[Session] = []
     t = -prepop
@@ -1001,6 +1041,24 @@ def build_workload(
         sessions.append(s)
     sessions.sort(key=lambda s: s.start_s)
     return Workload(scenario, seed, rate_per_s, groups, sessions, warmup, window, grace, prepop)
+
+
+def _sequential_sessions(
+    scenario: ScenarioSpec, seed: int, groups: dict[int, Group], end_s: float, cost: CostModel, rng: random.Random
+) -> list[Session]:
+    """Sessions one at a time from time 0: each arrives a person's think time after the
+    previous one's zero-load timeline ends; the last is the one under way at `end_s`."""
+    sessions: list[Session] = []
+    t = 0.0
+    for index in itertools.count():
+        s = make_session(seed, scenario, index, arrival_s=t)
+        s.start_s = t + (s.turns[0].think_s if s.turns else 0.0)
+        if s.start_s >= end_s:
+            break
+        sessions.append(s)
+        group = groups.get(s.group) if s.group is not None else None
+        t += zero_load_timeline(s, session_tokens(s, group), cost)[-1] + scenario.user_think_s.draw(rng)
+    return sessions
 
 
 _SPAN_CACHE: dict[tuple[str, str], float] = {}

@@ -1,55 +1,40 @@
 """Bounded loads, shared by the session and cache-aware policies.
 
-Consistent hashing with bounded loads (Mirrokni et al.) caps every worker at a factor
-above the mean; affinity is kept until a worker reaches the cap, then the request spills to
-the next choice. Two loads are capped:
+Consistent hashing with bounded loads (Mirrokni et al.) caps every worker at a factor above
+the mean; affinity is kept until a worker reaches the cap, then the request spills to the
+next choice. Two loads are capped:
 
-* requests in flight (bursts). At low totals a relative cap is tiny (with 4 requests in
-  flight over 3 workers it is 3), and spilling a conversation then only duplicates its KV
-  for no latency gain: an engine batches dozens of sequences at almost no cost each. So,
-  like SGLang's `balance_abs_threshold`, a worker also has to lead the least-loaded one by
-  more than an absolute slack before it counts as over the cap.
-* the decayed count of recent requests (sustained traffic, which is invisible in flight
-  when clients are sequential). Recent counts drift apart transiently as conversations
-  progress at different speeds, so their cap gets twice the relative headroom (1.5x the
-  mean for the default factor 1.25).
+* requests in flight (bursts), and only once a worker also leads the least-loaded one by an
+  absolute slack, as SGLang's `balance_abs_threshold`: an engine batches a few more
+  sequences at almost no cost, and spilling then only duplicates a conversation's KV;
+* the decayed count of recent requests (sustained traffic, invisible in flight when clients
+  are sequential), with more headroom: recent counts drift apart as conversations progress
+  at different speeds.
 
-A cap on recent counts is relative to the fleet's mean, so when one conversation is all the
-traffic its worker is always "over" it, idle as it is: one agent alone then moves turn
-after turn and recomputes its context each time (8 moves in 20 turns on 4
-workers). Bounded loads cap only load that costs latency. So the worker holding the
-conversation being placed (its *home*, named by the policy) is exempt from the recent cap
-while its queues are negligible in the policy's own units: counting this request, no more
-requests in flight than the absolute slack (an engine batches that many at almost no cost),
-less queued prefill than one engine step, and nothing waiting in the engine. Above that the
-caps apply as before, and requests that no worker holds as a conversation (new sessions
-on a hot system prompt) are spread by the recent cap however quiet the fleet.
+The caps stand in for load a policy cannot price: bursts and sequential traffic that queue
+nothing yet. A policy that prices queues passes its engine step (`quiet_prefill_s`): once
+the fleet's mean queued prefill reaches it the caps are lifted, and below it a worker
+holding the conversation being placed (its *home*, named by the policy) is exempt from the
+recent cap while it is quiet, since one conversation alone is always over a cap relative to
+the mean. Requests no worker holds as a conversation (new sessions on a hot system prompt)
+are spread by the recent cap however quiet the fleet.
 
-Both caps stand in for load the policy cannot price: bursts and sequential traffic that
-queue nothing yet. Once the fleet's queues are visible (their mean queued prefill is at
-least one engine step), the policy prices load directly (each candidate's queued prefill,
-and the delay a placement's prefill imposes on the requests queued there), and the caps
-are lifted: under sustained load they forced conversations off the worker holding them,
-onto workers with seconds more queue, to recompute prefixes of up to 50k tokens
-(29 of the 151 moves on the Mooncake conversation trace). At low load, where nothing
-queues, they spread hot prefixes as before.
-
-Heterogeneous fleets: the caps are shares of the fleet's load, and a worker twice
-as fast serves twice the share. When every candidate carries its learned cost model
-(`WorkerLoad.cost`), each worker's caps are scaled by its speed relative to the fleet's
-mean (the inverse of its predicted prefill of a reference prompt). Without that, a fast
-worker's fair share put it over a speed-blind cap, and new sessions were spread onto the
-slow workers, where their prefill took twice as long: the p99 of a mixed fleet.
+On a fleet of mixed speeds each worker's caps scale with its speed relative to the mean
+(from the learned costs every candidate carries, `WorkerLoad.cost`): a worker twice as fast
+serves twice the share. The reasons and measurements are in docs/policy.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from router.policies.weights import (
+    DEFAULT_ABS_SLACK,
+    DEFAULT_LOAD_FACTOR,
+    RECENT_HEADROOM,
+    REFERENCE_PROMPT_TOKENS,
+)
 from router.routing import WorkerLoad
-
-DEFAULT_LOAD_FACTOR = 1.25
-DEFAULT_ABS_SLACK = 4
 
 
 def within_bounds(
@@ -87,15 +72,12 @@ def within_bounds(
     def over(w: WorkerLoad) -> bool:
         f = share.get(w.name, 1.0)
         busy = w.inflight + 1 > load_factor * inflight_mean * f + 1 and w.inflight + 1 - least_inflight > abs_slack
-        recent_cap = (1 + 2 * (load_factor - 1)) * recent_mean * f + 1
+        recent_cap = (1 + RECENT_HEADROOM * (load_factor - 1)) * recent_mean * f + 1
         return busy or (w.recent + 1 > recent_cap and not quiet_home(w))
 
     eligible = [w for w in loads if not over(w)]
     # The least-loaded worker is always under the mean, so this only trips on float edge cases.
     return eligible or [min(loads, key=lambda w: (w.inflight, w.recent))]
-
-
-REFERENCE_PROMPT_TOKENS = 4096
 
 
 def speed_shares(loads: Sequence[WorkerLoad]) -> dict[str, float]:

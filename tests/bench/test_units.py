@@ -20,6 +20,7 @@ from loadtests.benchmark.bench import (
     comparison,
     parse_entries,
     summarize,
+    with_ablations,
 )
 from loadtests.benchmark.harness import (
     QueueSampler,
@@ -35,6 +36,7 @@ from loadtests.benchmark.harness import (
 )
 from loadtests.benchmark.traces import ENGINE_TOKEN_BUDGET
 from loadtests.sim.costs import DEFAULT_PROFILE
+from router.policies.cache_aware import TERMS
 
 
 def test_cache_blind_policies_run_without_the_pool_unless_told() -> None:
@@ -63,6 +65,34 @@ def test_a_queue_suffix_runs_kvroute_with_the_prefill_queue() -> None:
     assert args[args.index("--prefill-queue-tokens") + 1] == "2048"
     with pytest.raises(ValueError):
         parse_entries("cache_aware+queuefast", "")
+
+
+def test_ablated_entries_run_cache_aware_with_terms_switched_off() -> None:
+    entries = {e.key: e for e in parse_entries("cache_aware~lag,cache_aware~recompute~delay-nopool", "")}
+    lag = entries["cache_aware~lag"]
+    assert (lag.policy, lag.ablate, lag.pool) == ("cache_aware", ("lag",), True)
+    both = entries["cache_aware~recompute~delay-nopool"]
+    assert (both.policy, both.ablate, both.pool) == ("cache_aware", ("delay", "recompute"), False)
+    setup = RunSetup(workers=2, profile=DEFAULT_PROFILE, time_scale=1.0, kv_capacity_tokens=1000,
+                     pool_capacity_tokens=0, logs=Path("."))  # fmt: skip
+    args = _kvroute_args(setup, both)
+    assert args[args.index("--policy-ablate") + 1] == "delay,recompute"
+    assert "--policy-ablate" not in _kvroute_args(setup, parse_entries("cache_aware", "")[0])
+    for bad in ("cache_aware~nope", "random~lag"):
+        with pytest.raises(ValueError):
+            parse_entries(bad, "")
+
+
+def test_ablate_adds_an_entry_per_term_after_each_full_cache_aware_entry() -> None:
+    expanded = with_ablations("random,cache_aware-nopool,cache_aware~caps", "lag,delay")
+    assert expanded.split(",") == [
+        "random", "cache_aware-nopool", "cache_aware~lag-nopool", "cache_aware~delay-nopool", "cache_aware~caps",
+    ]  # fmt: skip
+    keys = [e.key for e in parse_entries(with_ablations("cache_aware", "all"), "")]
+    assert keys == ["cache_aware", *(f"cache_aware~{t}" for t in TERMS)]
+    assert with_ablations("cache_aware", "") == "cache_aware"
+    with pytest.raises(ValueError):
+        with_ablations("cache_aware", "nope")
 
 
 def test_peers_expand_to_their_policies() -> None:

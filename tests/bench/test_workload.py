@@ -19,8 +19,9 @@ from loadtests.benchmark.workload import (
     make_group,
     make_session,
     session_tokens,
+    zero_load_timeline,
 )
-from loadtests.sim.costs import build_cost_model
+from loadtests.sim.costs import DEFAULT_PROFILE, build_cost_model
 from normalizer.canonical import canonicalize_body
 from normalizer.prefix import chat_segments
 
@@ -183,6 +184,23 @@ def test_hot_prefix_shares_one_long_system_prompt() -> None:
     assert {s.group for s in sessions} == {0}
     group = make_group(1, spec, 0)
     assert len(group.system_prompt) >= 30_000
+
+
+def test_lone_agent_plays_one_session_at_a_time() -> None:
+    spec = SCENARIOS["lone-agent"]
+    cost = build_cost_model(DEFAULT_PROFILE)
+    rates = derive_rates(spec, 8)
+    wl = build_workload(spec, 1, rates.arrival_rate_per_s, cost=cost)
+    assert len(wl.sessions) >= 2 and wl.prepopulate_s == 0
+    assert wl.sessions[0].start_s == 0 and all(s.start_turn == 0 for s in wl.sessions)
+    # Each session starts after the previous one's last answer on an idle fleet.
+    for before, after in itertools.pairwise(wl.sessions):
+        timeline = zero_load_timeline(before, session_tokens(before, wl.groups[before.group]), cost)
+        assert after.start_s > before.start_s + timeline[-1]
+    assert wl.sessions[-1].start_s < wl.window_end_s
+    # Long conversations: contexts grow past 20k tokens.
+    assert rates.p90_final_context_tokens > 20_000
+    assert rates.expected_concurrent_sessions == pytest.approx(1.0)
 
 
 def test_runs_start_in_steady_state() -> None:
