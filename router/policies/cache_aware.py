@@ -129,20 +129,7 @@ class CacheAwarePolicy:
         chosen = next(s for s in scores if s.within_bound)
         if self._slower_guard:
             chosen = own_time_guarded(chosen, scores, cost.step_s)
-        reuse = chosen.reuse
-        # Passing over a worker that reuses more of the prefix is a choice made for load
-        # (its bound, or a queue longer than the recompute), not an index that knew nothing:
-        # the reason says which, for operators reading misses as lost prefixes.
-        if max(s.reuse.tokens for s in scores) > reuse.tokens:
-            reason = "overload"
-        else:
-            reason = _HIT_REASON[reuse.tier]
-        others = [s for s in scores if s is not chosen]
-        ranking = tuple(s.worker for s in others if s.within_bound) + tuple(s.worker for s in others if not s.within_bound)
-        return RouteDecision(
-            chosen.worker, reason, cached_tokens=reuse.tokens, reuse=reuse, prefill_s=chosen.prefill_s,
-            ranking=ranking, scores=tuple(scores),
-        )
+        return _decision(chosen, scores)
 
     def _eligible(
         self, request: RouteRequest, view: IndexView, loads: Sequence[WorkerLoad], cost: CostModel
@@ -163,6 +150,24 @@ def conversation_homes(request: RouteRequest, view: IndexView, loads: Sequence[W
     if depth:
         return {w.name for w in loads if view.depth(w.name) >= depth}
     return {request.continues} if request.continues is not None else set()
+
+
+def _decision(chosen: CandidateScore, scores: list[CandidateScore]) -> RouteDecision:
+    """`chosen` as the decision: its reason, and the others in order as the fallbacks."""
+    reuse = chosen.reuse
+    # Passing over a worker that reuses more of the prefix is a choice made for load (its
+    # bound, or a queue longer than the recompute), not an index that knew nothing: the
+    # reason says which, for operators reading misses as lost prefixes.
+    if max(s.reuse.tokens for s in scores) > reuse.tokens:
+        reason = "overload"
+    else:
+        reason = _HIT_REASON[reuse.tier]
+    others = [s for s in scores if s is not chosen]
+    ranking = tuple(s.worker for s in others if s.within_bound) + tuple(s.worker for s in others if not s.within_bound)
+    return RouteDecision(
+        chosen.worker, reason, cached_tokens=reuse.tokens, reuse=reuse, prefill_s=chosen.prefill_s,
+        ranking=ranking, scores=tuple(scores),
+    )
 
 
 _HIT_REASON = {"none": "miss", "gpu": "gpu_hit", "pool": "pool_hit", "disk": "disk_hit", "remote": "remote_hit"}
