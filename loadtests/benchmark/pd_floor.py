@@ -29,11 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.benchmark.traces import ENGINE_TOKEN_BUDGET as CHUNK_TOKENS
 from loadtests.sim.costs import KV_LINK_GBPS, build_cost_model
 from router.cost import KV_BYTES_PER_TOKEN
-
-CHUNK_TOKENS = 8192
-"""The simulated engines' `max_num_batched_tokens`."""
 
 
 def split_floor(
